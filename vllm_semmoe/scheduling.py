@@ -1,0 +1,260 @@
+"""Online data scheduling decisions (Numba): which device a token or a request goes to.
+
+Pure functions over plain arrays so that the vLLM adapter, the offline evaluator and the
+benchmarks all call the same code. Scores are "share of the token's activations that would be
+local on each device" as stored in :class:`~vllm_semmoe.tables.SemMoETables`.
+
+- Attention-TP (intra-request): :func:`tp_layer_scores` scores devices per token from T2D and
+  the A table; :func:`align` gives every rank at most ``ceil(B/E)`` tokens, spilling to the
+  next-best rank; :func:`shuffle_permutation` turns the result into the permutation applied by
+  the shuffled reduce-scatter and its inverse (applied by the shuffled all-gather).
+- Attention-DP (inter-request): :func:`request_votes` sums T2D votes over a prompt;
+  :func:`dp_assign` picks ranks under a token-load balance rule.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+PAD = -1  # slot without a token in an aligned slice
+
+
+# ---- Attention-TP ----------------------------------------------------------------------------
+COMBINE_CONFIDENCE = 0  # the paper: use T2D or A, whichever is more confident
+COMBINE_PRODUCT = 1  # both as independent evidence: T2D · A / prior, normalised
+
+
+@numba.njit(cache=True)
+def tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine):
+    """Per-token device scores at one layer from T2D and the A table.
+
+    Args:
+        rows: ``[B]`` int64 row of each token in ``t2d_layer`` (``-1``: unseen → ``oov_layer``).
+        history: ``[B]`` int64 ``d2 * E + d1`` (majority devices at the two previous layers),
+            or ``-1`` when unknown (first two layers); then only T2D is used.
+        t2d_layer: ``[J, E]`` float32; oov_layer: ``[E]`` (the layer prior); markov_layer:
+            ``[E*E, E]``.
+        combine: ``COMBINE_CONFIDENCE`` (pick the more confident table, as in the paper) or
+            ``COMBINE_PRODUCT`` (naive-Bayes product of both, relative to the prior).
+    Returns:
+        ``[B, E]`` float32 scores (a distribution over devices per token).
+    """
+    B = len(rows)
+    E = oov_layer.shape[0]
+    scores = np.empty((B, E), np.float32)
+    for b in range(B):
+        for e in range(E):
+            scores[b, e] = t2d_layer[rows[b], e] if rows[b] >= 0 else oov_layer[e]
+        h = history[b]
+        if h < 0:
+            continue
+        if combine == COMBINE_CONFIDENCE:
+            if markov_layer[h].max() > scores[b].max():
+                for e in range(E):
+                    scores[b, e] = markov_layer[h, e]
+        else:
+            total = 0.0
+            for e in range(E):
+                scores[b, e] = scores[b, e] * markov_layer[h, e] / max(oov_layer[e], 1e-9)
+                total += scores[b, e]
+            for e in range(E):
+                scores[b, e] /= max(total, 1e-30)
+    return scores
+
+
+@numba.njit(cache=True)
+def balanced_assignment(score, weight, cap, rounds):
+    """Assign units to devices maximising ``Σ weight·score`` with device load <= cap.
+
+    Lagrangian prices on devices are raised while a device is over its cap; whatever is still
+    over after ``rounds`` is repaired by moving the units that lose least to their next-best
+    device with room.
+
+    Args:
+        score: ``[U, E]`` value of each unit on each device (its local activation share).
+        weight: ``[U]`` load of each unit (tokens).
+        cap: the most load a device may take (``Σ weight <= E · cap`` for a feasible answer).
+        rounds: price-update rounds.
+    Returns:
+        ``([U] int64 device per unit, [E] final device prices)``.
+    """
+    U, E = score.shape
+    price = np.zeros(E)
+    device = np.zeros(U, np.int64)
+    load = np.zeros(E)
+    step = 0.05 * (score.max() - score.min() + 1e-9)
+    for _ in range(rounds):
+        load[:] = 0.0
+        for u in range(U):
+            best = 0
+            for e in range(1, E):
+                if score[u, e] - price[e] > score[u, best] - price[best]:
+                    best = e
+            device[u] = best
+            load[best] += weight[u]
+        if load.max() <= cap:
+            break
+        for e in range(E):
+            price[e] = max(0.0, price[e] + step * (load[e] / cap - 1.0))
+        step *= 0.93
+    # repair: move the cheapest units out of devices still over the cap
+    for _ in range(U):
+        over = np.argmax(load)
+        if load[over] <= cap:
+            break
+        best_u, best_e, best_loss = -1, -1, np.inf
+        for u in range(U):
+            if device[u] != over:
+                continue
+            for e in range(E):
+                if e != over and load[e] + weight[u] <= cap:
+                    loss = score[u, over] - score[u, e]
+                    if loss < best_loss:
+                        best_u, best_e, best_loss = u, e, loss
+        if best_u < 0:
+            break
+        device[best_u] = best_e
+        load[over] -= weight[best_u]
+        load[best_e] += weight[best_u]
+    return device, price
+
+
+@numba.njit(cache=True)
+def align(scores, capacity):
+    """Assign tokens to devices, exactly at most ``capacity`` each, maximising total score.
+
+    The batch-level optimum under equal slices (prices on over-subscribed devices), so tokens
+    that lose least overflow to their next-best rank.
+
+    Args:
+        scores: ``[B, E]``; capacity: slots per device, ``E * capacity >= B``.
+    Returns:
+        ``[B]`` int64 device per token.
+    """
+    device, _ = balanced_assignment(scores.astype(np.float64), np.ones(scores.shape[0]), float(capacity), 40)
+    return device
+
+
+@numba.njit(cache=True)
+def shuffle_permutation(device, ep_size, capacity):
+    """Permutation that groups tokens by device into equal slices.
+
+    Args:
+        device: ``[B]`` target device of each token (at most ``capacity`` per device).
+    Returns:
+        ``slot_token [E * capacity]``: token in each slot (``PAD`` = -1 where a slice is not
+        full); slice ``e`` is ``slot_token[e*capacity:(e+1)*capacity]``, tokens in original order.
+        ``token_slot [B]``: the inverse, slot of each token.
+    """
+    B = len(device)
+    slot_token = np.full(ep_size * capacity, -1, np.int64)
+    token_slot = np.empty(B, np.int64)
+    fill = np.zeros(ep_size, np.int64)
+    for b in range(B):
+        e = device[b]
+        s = e * capacity + fill[e]
+        fill[e] += 1
+        slot_token[s] = b
+        token_slot[b] = s
+    return slot_token, token_slot
+
+
+def slice_capacity(num_tokens: int, ep_size: int) -> int:
+    """Equal slice size of the shuffled reduce-scatter: ``ceil(B / E)`` (at least 1)."""
+    return max(1, -(-num_tokens // ep_size))
+
+
+def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int,
+                combine: int = COMBINE_PRODUCT):
+    """One layer's Attention-TP decision for a batch.
+
+    Returns ``(device [B], slot_token [E*cap], token_slot [B])``; see :func:`align` and
+    :func:`shuffle_permutation`.
+    """
+    cap = slice_capacity(len(rows), ep_size)
+    device = align(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), cap)
+    slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
+    return device, slot_token, token_slot
+
+
+# ---- Attention-DP ----------------------------------------------------------------------------
+@numba.njit(cache=True)
+def request_votes(rows, offsets, t2d_score, oov_score):
+    """T2D votes of each request: predicted local activations (in top-k units) per rank.
+
+    Args:
+        rows: ``[T]`` int64 token rows (``-1`` unseen); offsets: ``[R+1]`` request bounds.
+        t2d_score: ``[L, J, E]`` float32; oov_score: ``[L, E]``.
+    Returns:
+        ``[R, E]`` float64, summed over the request's tokens and all layers.
+    """
+    L, J, E = t2d_score.shape
+    R = len(offsets) - 1
+    votes = np.zeros((R, E))
+    for r in range(R):
+        for t in range(offsets[r], offsets[r + 1]):
+            j = rows[t]
+            for l in range(L):
+                for e in range(E):
+                    votes[r, e] += t2d_score[l, j, e] if j >= 0 else oov_score[l, e]
+    return votes
+
+
+@numba.njit(cache=True)
+def dp_assign(votes, lengths, price_step, eps, window, round_robin_mask):
+    """Choose a DP rank per request, in arrival order, by T2D votes, balanced.
+
+    Each rank carries a price (the dual of its token-load constraint): a request takes the rank
+    maximising ``votes / length - price``, and the chosen rank's price rises while the others
+    fall, in proportion to the request's length (online subgradient step ``price_step``).
+    Prices make ranks whose experts everybody likes cost more, so preference decides only
+    where it is strong. On top, a hard guard: over the last ``window`` requests a rank's token
+    load may not exceed ``(1 + eps)`` times the mean; if no rank qualifies the least-loaded
+    one is taken.
+
+    With ``round_robin_mask`` the paper's rule is used instead: within every ``E``
+    consecutive requests each rank is chosen once (best-voted free rank, arrival order).
+
+    Args:
+        votes: ``[R, E]`` predicted local activations per rank; lengths: ``[R]`` prompt tokens.
+    Returns:
+        ``[R]`` int64 rank per request.
+    """
+    R, E = votes.shape
+    rank = np.empty(R, np.int64)
+    load = np.zeros(E)
+    price = np.zeros(E)
+    taken = np.zeros(E, np.bool_)
+    mean_length = 0.0
+    for r in range(R):
+        x = max(lengths[r], 1.0)
+        chosen = -1
+        if round_robin_mask:
+            if r % E == 0:
+                taken[:] = False
+            ranking = np.argsort(-votes[r], kind="mergesort")
+            for k in range(E):
+                if not taken[ranking[k]]:
+                    chosen = ranking[k]
+                    break
+            taken[chosen] = True
+        else:
+            ranking = np.argsort(price - votes[r] / x, kind="mergesort")
+            limit = (1.0 + eps) * (load.sum() + x) / E
+            for k in range(E):
+                if load[ranking[k]] + x <= limit:
+                    chosen = ranking[k]
+                    break
+            if chosen < 0:
+                chosen = np.argmin(load)
+            mean_length += (x - mean_length) / (r + 1)
+            step = price_step * x / mean_length
+            for e in range(E):
+                price[e] -= step / E
+            price[chosen] += step
+        rank[r] = chosen
+        load[chosen] += x
+        if r >= window:
+            load[rank[r - window]] -= max(lengths[r - window], 1.0)
+    return rank

@@ -1,0 +1,267 @@
+"""Sem-MoE lookup tables: what the online scheduler needs, built once offline.
+
+Per MoE layer ``l`` (E = EP size):
+
+- **E2D** ``placement.expert_device[l]``: expert → device.
+- **T2D** ``t2d_score[l, j, :]``: for profiled token ``t2d_tokens[j]``, the share of its
+  activations that would be local on each device (a device ranking). ``t2d_device`` is the
+  argmax, ``t2d_confidence`` the max. Unseen tokens use the out-of-vocabulary default
+  ``oov_score[l]`` (the layer's overall device share).
+- **A** ``markov[l, d2 * E + d1, :]``: the same share, predicted from the devices that held most
+  of the token's experts at layers ``l-2`` (``d2``) and ``l-1`` (``d1``) — the paper's
+  device-sequence Markov table (``[E^2, E]``); rows for ``l < 2`` are unused.
+
+Scores are smoothed towards the layer prior with ``alpha`` pseudo-occurrences so that tokens
+seen once do not claim full confidence. Tables save to a directory with a JSON manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from . import __version__
+from .affinity import token_expert_counts
+from .placement import Placement
+from .trace import RoutingTrace
+
+MANIFEST = "manifest.json"
+ARRAYS = "tables.npz"
+
+
+class TablesError(ValueError):
+    """Tables are missing, malformed, or built for another model shape / EP size."""
+
+
+@dataclass(frozen=True)
+class SemMoETables:
+    """Placement plus the T2D / A lookup tables (see module docstring for shapes)."""
+
+    placement: Placement
+    t2d_tokens: np.ndarray  # [J] int32, ascending
+    t2d_score: np.ndarray  # [L, J, E] float16
+    markov: np.ndarray  # [L, E*E, E] float32
+    oov_score: np.ndarray  # [L, E] float32
+    top_k: int
+    vocab_size: int
+    mode: str
+    source_trace: str
+
+    @property
+    def ep_size(self) -> int:
+        return self.placement.ep_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.placement.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    @property
+    def t2d_device(self) -> np.ndarray:
+        """``[L, J]`` int64: T2D's device for each profiled token."""
+        return np.argmax(self.t2d_score, axis=2)
+
+    @property
+    def t2d_confidence(self) -> np.ndarray:
+        """``[L, J]`` float32: T2D's confidence (share local on its device)."""
+        return self.t2d_score.max(axis=2).astype(np.float32)
+
+    def token_rows(self, tokens: np.ndarray) -> np.ndarray:
+        """``[T]`` int64 row of each token id in ``t2d_score``; ``-1`` for unseen tokens."""
+        tokens = np.asarray(tokens, np.int64)
+        pos = np.searchsorted(self.t2d_tokens, tokens)
+        pos = np.minimum(pos, max(len(self.t2d_tokens) - 1, 0))
+        found = (len(self.t2d_tokens) > 0) & (self.t2d_tokens[pos] == tokens)
+        return np.where(found, pos, -1)
+
+    def check_compatible(self, *, num_layers: int, num_experts: int, ep_size: int | None = None) -> None:
+        """Raise :class:`TablesError` naming each mismatch with the running model/EP size."""
+        problems = []
+        if num_layers != self.num_layers:
+            problems.append(f"MoE layers {self.num_layers} (model has {num_layers})")
+        if num_experts != self.num_experts:
+            problems.append(f"experts per layer {self.num_experts} (model has {num_experts})")
+        if ep_size is not None and ep_size != self.ep_size:
+            problems.append(f"EP size {self.ep_size} (running with {ep_size})")
+        if problems:
+            raise TablesError("tables were built for another configuration: " + "; ".join(problems))
+
+    # ---- I/O -----------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        return {
+            "format": "vllm-semmoe-tables/1",
+            "semmoe_version": __version__,
+            "method": self.placement.method,
+            "mode": self.mode,
+            "ep_size": self.ep_size,
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "vocab_size": self.vocab_size,
+            "profiled_tokens": int(len(self.t2d_tokens)),
+            "source_trace": self.source_trace,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``tables.npz`` and ``manifest.json`` into ``directory`` (created if needed)."""
+        os.makedirs(directory, exist_ok=True)
+        np.savez_compressed(
+            os.path.join(directory, ARRAYS),
+            expert_device=self.placement.expert_device,
+            t2d_tokens=self.t2d_tokens,
+            t2d_score=self.t2d_score,
+            markov=self.markov,
+            oov_score=self.oov_score,
+        )
+        with open(os.path.join(directory, MANIFEST), "w") as f:
+            json.dump(self.manifest(), f, indent=2)
+            f.write("\n")
+
+
+def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
+                num_experts: int | None = None, ep_size: int | None = None) -> SemMoETables:
+    """Load tables saved by :meth:`SemMoETables.save`.
+
+    When ``num_layers``/``num_experts`` (and optionally ``ep_size``) are given, tables built
+    for another shape raise :class:`TablesError`.
+    """
+    directory = os.fspath(directory)
+    manifest_path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise TablesError(f"tables directory not found: {directory}")
+    if not os.path.exists(manifest_path):
+        raise TablesError(f"{directory}: no {MANIFEST}; is this the output of `semmoe solve`?")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        with np.load(os.path.join(directory, ARRAYS), allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise TablesError(f"{directory}: unreadable tables ({exc})") from None
+    if manifest.get("format") != "vllm-semmoe-tables/1":
+        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
+    placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"])
+    L, E = placement.num_layers, placement.ep_size
+    expected = {
+        "t2d_score": (L, len(arrays["t2d_tokens"]), E),
+        "markov": (L, E * E, E),
+        "oov_score": (L, E),
+    }
+    for key, shape in expected.items():
+        if arrays[key].shape != shape:
+            raise TablesError(f"{directory}: {key} has shape {arrays[key].shape}, expected {shape}")
+    tables = SemMoETables(
+        placement=placement,
+        t2d_tokens=arrays["t2d_tokens"],
+        t2d_score=arrays["t2d_score"],
+        markov=arrays["markov"],
+        oov_score=arrays["oov_score"],
+        top_k=int(manifest["top_k"]),
+        vocab_size=int(manifest["vocab_size"]),
+        mode=manifest["mode"],
+        source_trace=manifest["source_trace"],
+    )
+    if num_layers is not None or num_experts is not None:
+        tables.check_compatible(
+            num_layers=num_layers if num_layers is not None else L,
+            num_experts=num_experts if num_experts is not None else placement.num_experts,
+            ep_size=ep_size,
+        )
+    return tables
+
+
+def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp",
+                 alpha: float = 1.0) -> SemMoETables:
+    """Derive T2D, A and the OOV default from a profile trace and a placement.
+
+    Args:
+        profile: the calibration trace.
+        placement: the expert placement the tables describe.
+        alpha: smoothing, in pseudo-occurrences of the layer prior.
+    """
+    if placement.num_layers != profile.num_layers or placement.num_experts != profile.num_experts:
+        raise TablesError(
+            f"placement is for {placement.num_layers}x{placement.num_experts} experts, "
+            f"trace has {profile.num_layers}x{profile.num_experts}"
+        )
+    E, K = placement.ep_size, profile.top_k
+    token_ids, counts = token_expert_counts(profile)  # [L, J, N]
+    dev_counts = device_counts(profile.experts, placement.expert_device, E)  # [T, L, E]
+    prior = dev_counts.sum(axis=0).astype(np.float64)  # [L, E]
+    prior /= prior.sum(axis=1, keepdims=True)
+    # T2D: per token, activations per device, smoothed towards the layer prior
+    onehot = np.eye(E)[placement.expert_device]  # [L, N, E]
+    per_device = np.einsum("ljn,lne->lje", counts, onehot)
+    occurrences = counts[0].sum(axis=1) / K  # [J]
+    t2d = (per_device / K + alpha * prior[:, None, :]) / (occurrences[None, :, None] + alpha)
+    markov = _markov_counts(dev_counts).astype(np.float64)  # [L, E*E, E] activations
+    seen = markov.sum(axis=2, keepdims=True) / K
+    markov = (markov / K + alpha * prior[:, None, :]) / (seen + alpha)
+    markov[:2] = 0.0
+    return SemMoETables(
+        placement=placement,
+        t2d_tokens=token_ids,
+        t2d_score=t2d.astype(np.float16),
+        markov=markov.astype(np.float32),
+        oov_score=prior.astype(np.float32),
+        top_k=K,
+        vocab_size=profile.vocab_size,
+        mode=mode,
+        source_trace=profile.fingerprint(),
+    )
+
+
+def device_counts(experts: np.ndarray, expert_device: np.ndarray, ep_size: int) -> np.ndarray:
+    """``[T, L, E]`` uint8: how many of each token's top-k experts sit on each device.
+
+    experts: ``[T, L, K]``; expert_device: ``[L, N]``.
+    """
+    return _device_counts(experts, expert_device.astype(np.int64), ep_size)
+
+
+@numba.njit(cache=True)
+def _device_counts(experts, expert_device, ep_size):
+    T, L, K = experts.shape
+    out = np.zeros((T, L, ep_size), np.uint8)
+    for t in range(T):
+        for l in range(L):
+            for k in range(K):
+                out[t, l, expert_device[l, experts[t, l, k]]] += 1
+    return out
+
+
+@numba.njit(cache=True)
+def majority_device(dev_counts):
+    """``[T, L]`` int64: device holding most of the token's experts (ties → lower id)."""
+    T, L, E = dev_counts.shape
+    out = np.zeros((T, L), np.int64)
+    for t in range(T):
+        for l in range(L):
+            best = 0
+            for e in range(1, E):
+                if dev_counts[t, l, e] > dev_counts[t, l, best]:
+                    best = e
+            out[t, l] = best
+    return out
+
+
+@numba.njit(cache=True)
+def _markov_counts(dev_counts):
+    T, L, E = dev_counts.shape
+    major = majority_device(dev_counts)
+    out = np.zeros((L, E * E, E), np.int64)
+    for t in range(T):
+        for l in range(2, L):
+            h = major[t, l - 2] * E + major[t, l - 1]
+            for e in range(E):
+                out[l, h, e] += dev_counts[t, l, e]
+    return out
