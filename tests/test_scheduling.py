@@ -1,0 +1,110 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_semmoe import scheduling
+
+
+@st.composite
+def batches(draw):
+    E = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    B = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**31 - 1))
+    one_device = draw(st.booleans())
+    rng = np.random.default_rng(seed)
+    scores = rng.random((B, E)).astype(np.float32)
+    if one_device:  # every token wants the same device
+        scores[:, 0] += 10.0
+    return scores, E
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_align_gives_equal_slices_and_processes_every_token_once(batch):
+    scores, E = batch
+    B = len(scores)
+    cap = scheduling.slice_capacity(B, E)
+    assert cap == -(-B // E)
+    device = scheduling.align(scores, cap)
+    assert device.shape == (B,) and device.min() >= 0 and device.max() < E
+    assert np.bincount(device, minlength=E).max() <= cap
+    slot_token, token_slot = scheduling.shuffle_permutation(device, E, cap)
+    assert len(slot_token) == E * cap
+    real = slot_token[slot_token != scheduling.PAD]
+    assert sorted(real) == list(range(B))  # every token exactly once
+    np.testing.assert_array_equal(slot_token[token_slot], np.arange(B))  # inverse round-trips
+    np.testing.assert_array_equal(token_slot // cap, device)  # token sits in its device's slice
+    x = np.random.default_rng(0).random((B, 3))
+    padded = np.zeros((E * cap, 3))
+    padded[token_slot] = x  # SRS order ...
+    np.testing.assert_array_equal(padded[token_slot], x)  # ... SAG restores the original order
+
+
+def test_align_keeps_preferences_when_they_fit():
+    scores = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert list(scheduling.align(scores, 2)) == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_align_spills_the_least_costly_token_to_its_next_best():
+    # three tokens want device 0 (capacity 2); token 2 loses least by moving to device 1
+    scores = np.array([[0.9, 0.1], [0.8, 0.1], [0.5, 0.45], [0.0, 1.0]], np.float32)
+    assert list(scheduling.align(scores, 2)) == [0, 0, 1, 1]
+
+
+def test_tp_layer_scores_combinations():
+    t2d = np.array([[0.7, 0.3], [0.5, 0.5]], np.float32)
+    oov = np.array([0.5, 0.5], np.float32)
+    markov = np.array([[0.5, 0.5], [0.1, 0.9], [0.5, 0.5], [0.5, 0.5]], np.float32)
+    rows = np.array([0, 1, -1, 0])
+    hist = np.array([-1, 1, 1, 1])
+    conf = scheduling.tp_layer_scores(rows, hist, t2d, oov, markov, scheduling.COMBINE_CONFIDENCE)
+    np.testing.assert_allclose(conf, [[0.7, 0.3], [0.1, 0.9], [0.1, 0.9], [0.1, 0.9]])
+    prod = scheduling.tp_layer_scores(rows, hist, t2d, oov, markov, scheduling.COMBINE_PRODUCT)
+    np.testing.assert_allclose(prod[0], [0.7, 0.3])
+    np.testing.assert_allclose(prod[3], np.array([0.07, 0.27]) / 0.34, rtol=1e-5)
+    np.testing.assert_allclose(prod.sum(axis=1), 1.0, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 400), st.sampled_from([2, 4, 8]), st.integers(0, 10**6))
+def test_dp_round_robin_mask_uses_each_rank_once_per_group(R, E, seed):
+    rng = np.random.default_rng(seed)
+    votes = rng.random((R, E))
+    votes[:, 0] += 5  # everybody prefers rank 0
+    rank = scheduling.dp_assign(votes, rng.integers(1, 100, R).astype(float), 0.03, np.inf, 64, True)
+    for start in range(0, R, E):
+        group = rank[start : start + E]
+        assert len(set(group)) == len(group)
+
+
+def test_dp_prices_balance_token_load_against_a_shared_preference():
+    rng = np.random.default_rng(0)
+    R, E = 4000, 8
+    lengths = rng.integers(5, 200, R).astype(float)
+    votes = rng.random((R, E)) * lengths[:, None]
+    votes[:, 3] += 0.5 * lengths  # a rank everybody likes
+    rank = scheduling.dp_assign(votes, lengths, 0.03, np.inf, 512, False)
+    load = np.bincount(rank, weights=lengths, minlength=E)
+    assert load.max() / load.mean() < 1.10
+    greedy = np.bincount(np.argmax(votes, axis=1), weights=lengths, minlength=E)
+    assert greedy.max() / greedy.mean() > 3  # without the rule, rank 3 would be swamped
+
+
+def test_dp_hard_guard_caps_window_load():
+    rng = np.random.default_rng(1)
+    R, E = 2000, 4
+    lengths = rng.integers(10, 20, R).astype(float)
+    votes = np.zeros((R, E))
+    votes[:, 0] = lengths  # rank 0 always best, prices off
+    rank = scheduling.dp_assign(votes, lengths, 0.0, 0.10, 100, False)
+    for end in range(200, R, 100):
+        window = slice(end - 100, end)
+        load = np.bincount(rank[window], weights=lengths[window], minlength=E)
+        assert load.max() <= 1.10 * load.mean() + lengths.max()
+
+
+def test_request_votes_sum_over_tokens_and_layers():
+    t2d = np.array([[[1.0, 0.0], [0.0, 1.0]], [[0.5, 0.5], [0.0, 1.0]]], np.float32)  # [L=2, J=2, E=2]
+    oov = np.array([[0.5, 0.5], [0.5, 0.5]], np.float32)
+    votes = scheduling.request_votes(np.array([0, 1, -1]), np.array([0, 2, 3]), t2d, oov)
+    np.testing.assert_allclose(votes, [[1.5, 2.5], [1.0, 1.0]])
