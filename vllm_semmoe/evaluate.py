@@ -15,6 +15,7 @@ default — TP: the reduce-scatter's contiguous slices; DP: requests dealt round
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numba
@@ -22,7 +23,8 @@ import numpy as np
 
 from . import scheduling
 from .placement import Placement
-from .tables import SemMoETables, device_counts, majority_device
+from .policy import get_policy
+from .tables import SemMoETables, build_tables, device_counts, majority_device
 from .trace import RoutingTrace
 
 
@@ -138,11 +140,6 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
     placement quality from scheduling), ``a2a_ratio`` (remote activations relative to
     ``vanilla``) and ``solve_s``.
     """
-    import time
-
-    from .policy import get_policy
-    from .tables import build_tables
-
     rows = {}
     for name in methods:
         start = time.perf_counter()

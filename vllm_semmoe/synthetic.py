@@ -21,15 +21,9 @@ def synthetic_trace(*, num_layers: int, num_experts: int, top_k: int, vocab_size
     and routes there with probability ``affinity``, otherwise to random experts.
     """
     rng = np.random.default_rng(seed)
-    topic_experts = np.stack([
-        np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_layers)])
-        for _ in range(num_topics)
-    ])  # [topics, L, K]
+    topic_experts = _random_expert_sets(rng, (num_topics, num_layers), num_experts, top_k)
     token_topic = rng.integers(0, num_topics, vocab_size)
-    own = np.stack([
-        np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_layers)])
-        for _ in range(vocab_size)
-    ])  # [V, L, K]
+    own = _random_expert_sets(rng, (vocab_size, num_layers), num_experts, top_k)  # [V, L, K]
     share = rng.random((vocab_size, num_layers)) < 0.5
     preferred = np.where(share[:, :, None], topic_experts[token_topic], own)
     lengths = np.maximum(2, rng.poisson(mean_request_tokens, num_requests))
@@ -43,11 +37,15 @@ def synthetic_trace(*, num_layers: int, num_experts: int, top_k: int, vocab_size
     tokens = np.concatenate(tokens).astype(np.int32)
     experts = preferred[tokens].copy()  # [T, L, K]
     noisy = rng.random(experts.shape[:2]) > affinity
-    for t, l in zip(*np.nonzero(noisy)):
-        experts[t, l] = rng.choice(num_experts, top_k, replace=False)
+    experts[noisy] = _random_expert_sets(rng, (int(noisy.sum()),), num_experts, top_k)
     experts.sort(axis=2)
     dtype = np.uint8 if num_experts <= 256 else np.int16
     return RoutingTrace.from_arrays(
         tokens, experts.astype(dtype), np.concatenate([[0], np.cumsum(lengths)]),
         vocab_size=vocab_size, num_experts=num_experts,
     )
+
+
+def _random_expert_sets(rng: np.random.Generator, shape: tuple, num_experts: int, top_k: int) -> np.ndarray:
+    """``[*shape, top_k]``: distinct random expert ids per entry."""
+    return np.argpartition(rng.random((*shape, num_experts)), top_k, axis=-1)[..., :top_k]
