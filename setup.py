@@ -29,5 +29,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["semmoe=vllm_semmoe.cli:main"],
+        "vllm.general_plugins": ["semmoe=vllm_semmoe.vllm_adapter.plugin:register"],
     },
 )

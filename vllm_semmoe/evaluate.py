@@ -33,7 +33,8 @@ class EvalConfig:
     """How the online side is simulated."""
 
     mode: str = "tp"  # "tp" or "dp"
-    batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order)
+    batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
+    # 0 = one batch per request of the trace (a live capture in engine-step order)
     dp_window: int = 512  # DP: requests remembered by the hard guard
     dp_eps: float = float("inf")  # DP: optional hard guard on token load over the window (off)
     dp_price_step: float = 0.03  # DP: rank-price step (balances load by preference strength)
@@ -68,15 +69,19 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
 
 
 def _tp_devices(trace, counts, tables, ep_size, batch_tokens):
-    """``([T, L] device per token and layer, mean per-batch token imbalance)``."""
+    """``([T, L] device per token and layer, mean per-batch token imbalance)``.
+
+    Batches are ``batch_tokens`` consecutive tokens, or the trace's requests when it is 0
+    (a step-ordered live capture, where each "request" is one engine step).
+    """
     T, L = trace.num_tokens, trace.num_layers
-    starts = np.arange(0, T, batch_tokens)
+    starts = trace.offsets[:-1] if batch_tokens == 0 else np.arange(0, T, batch_tokens)
+    ends = np.append(starts[1:], T)
     device = np.empty((T, L), np.int64)
     if tables is None:
-        for s in starts:
-            n = min(batch_tokens, T - s)
-            cap = scheduling.slice_capacity(n, ep_size)
-            device[s : s + n] = (np.arange(n) // cap)[:, None]
+        for s, e in zip(starts, ends):
+            cap = scheduling.slice_capacity(e - s, ep_size)
+            device[s:e] = (np.arange(e - s) // cap)[:, None]
     else:
         rows = tables.token_rows(trace.tokens)
         major = majority_device(counts)
@@ -84,12 +89,11 @@ def _tp_devices(trace, counts, tables, ep_size, batch_tokens):
         history[:, 2:] = major[:, :-2] * ep_size + major[:, 1:-1]
         t2d = tables.t2d_score.astype(np.float32)
         for l in range(L):
-            for s in starts:
-                e = min(s + batch_tokens, T)
+            for s, e in zip(starts, ends):
                 device[s:e, l], _, _ = scheduling.tp_schedule(
                     rows[s:e], history[s:e, l], t2d[l], tables.oov_score[l], tables.markov[l], ep_size
                 )
-    return device, _batch_imbalance(device, starts, ep_size)
+    return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
 
 
 @numba.njit(cache=True)
@@ -107,10 +111,6 @@ def _batch_imbalance_kernel(device, starts, ep_size):
             total += load.max() / load.mean()
             n += 1
     return total / n
-
-
-def _batch_imbalance(device, starts, ep_size):
-    return _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
 
 
 def _dp_ranks(trace, tables, ep_size, config):

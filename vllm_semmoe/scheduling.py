@@ -202,16 +202,52 @@ def request_votes(rows, offsets, t2d_score, oov_score):
 
 
 @numba.njit(cache=True)
+def dp_choose(votes, length, state, price_step, eligible):
+    """One online DP decision: the rank maximising ``votes / length - price`` among ``eligible``.
+
+    ``state`` is ``[E + 2]`` float64: the ranks' prices, then the running mean prompt length and
+    the number of decisions so far; it is updated in place. The chosen rank's price rises and
+    the others' fall, in proportion to the request's length (an online subgradient step on the
+    dual of the token-balance constraint), so ranks whose experts everybody likes cost more and
+    preference decides only where it is strong.
+
+    Args:
+        votes: ``[E]`` predicted local activations per rank; length: prompt tokens;
+        eligible: ``[E]`` bool, ranks the caller allows (at least one must be True).
+    Returns:
+        The chosen rank.
+    """
+    E = votes.shape[0]
+    x = max(length, 1.0)
+    chosen = -1
+    best = -np.inf
+    for e in range(E):
+        if eligible[e]:
+            value = votes[e] / x - state[e]
+            if value > best:
+                best, chosen = value, e
+    count = state[E + 1] + 1.0
+    state[E] += (x - state[E]) / count
+    state[E + 1] = count
+    step = price_step * x / state[E]
+    for e in range(E):
+        state[e] -= step / E
+    state[chosen] += step
+    return chosen
+
+
+def dp_state(ep_size: int) -> np.ndarray:
+    """Fresh state for :func:`dp_choose` (zero prices, no history)."""
+    return np.zeros(ep_size + 2)
+
+
+@numba.njit(cache=True)
 def dp_assign(votes, lengths, price_step, eps, window, round_robin_mask):
     """Choose a DP rank per request, in arrival order, by T2D votes, balanced.
 
-    Each rank carries a price (the dual of its token-load constraint): a request takes the rank
-    maximising ``votes / length - price``, and the chosen rank's price rises while the others
-    fall, in proportion to the request's length (online subgradient step ``price_step``).
-    Prices make ranks whose experts everybody likes cost more, so preference decides only
-    where it is strong. On top, a hard guard: over the last ``window`` requests a rank's token
-    load may not exceed ``(1 + eps)`` times the mean; if no rank qualifies the least-loaded
-    one is taken.
+    Each request goes through :func:`dp_choose` (price-balanced votes). Optionally a hard guard
+    applies on top: over the last ``window`` requests a rank's token load may not exceed
+    ``(1 + eps)`` times the mean; if no rank qualifies, the least-loaded one is taken.
 
     With ``round_robin_mask`` the paper's rule is used instead: within every ``E``
     consecutive requests each rank is chosen once (best-voted free rank, arrival order).
@@ -224,37 +260,30 @@ def dp_assign(votes, lengths, price_step, eps, window, round_robin_mask):
     R, E = votes.shape
     rank = np.empty(R, np.int64)
     load = np.zeros(E)
-    price = np.zeros(E)
-    taken = np.zeros(E, np.bool_)
-    mean_length = 0.0
+    state = np.zeros(E + 2)
+    eligible = np.ones(E, np.bool_)
     for r in range(R):
         x = max(lengths[r], 1.0)
-        chosen = -1
         if round_robin_mask:
             if r % E == 0:
-                taken[:] = False
+                eligible[:] = True
             ranking = np.argsort(-votes[r], kind="mergesort")
             for k in range(E):
-                if not taken[ranking[k]]:
-                    chosen = ranking[k]
+                if eligible[ranking[k]]:
+                    rank[r] = ranking[k]
+                    eligible[ranking[k]] = False
                     break
-            taken[chosen] = True
         else:
-            ranking = np.argsort(price - votes[r] / x, kind="mergesort")
             limit = (1.0 + eps) * (load.sum() + x) / E
-            for k in range(E):
-                if load[ranking[k]] + x <= limit:
-                    chosen = ranking[k]
-                    break
-            if chosen < 0:
-                chosen = np.argmin(load)
-            mean_length += (x - mean_length) / (r + 1)
-            step = price_step * x / mean_length
+            any_fits = False
             for e in range(E):
-                price[e] -= step / E
-            price[chosen] += step
-        rank[r] = chosen
-        load[chosen] += x
+                eligible[e] = load[e] + x <= limit
+                any_fits = any_fits or eligible[e]
+            if any_fits:
+                rank[r] = dp_choose(votes[r], x, state, price_step, eligible)
+            else:
+                rank[r] = np.argmin(load)
+        load[rank[r]] += x
         if r >= window:
             load[rank[r - window]] -= max(lengths[r - window], 1.0)
     return rank

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Offline evaluation (README): idempotent set-up, then Sem-MoE's offline evaluation on the real
+# DeepSeek-V2-Lite routing trace: affinity evidence, then every placement method side by side
+# in TP and DP mode at EP 8 (20% of requests profiled, 80% evaluated). JSON lands in out/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TRACE=${SEMMOE_TRACE:-../shared/data/routing/dsv2lite_puffin-dev.npz}
+OUT=${SEMMOE_OUT:-out}
+bash scripts/setup_env.sh
+mkdir -p "$OUT"
+.venv/bin/semmoe analyze "$TRACE" --json "$OUT/analyze.json"
+for mode in tp dp; do
+  .venv/bin/semmoe eval --profile "$TRACE" --profile-frac 0.2 --seed 0 --ep 8 --mode "$mode" \
+    --method all --json "$OUT/eval_$mode.json"
+done

@@ -1,0 +1,113 @@
+"""`semmoe serve` on the tiny MoE: OpenAI completions and chat under a bounded concurrent load."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.cli import serve_command
+from vllm_semmoe.policy import get_policy
+from vllm_semmoe.synthetic import synthetic_trace
+from vllm_semmoe.tables import build_tables
+
+CONCURRENT = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, payload: dict, timeout: float = 120) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+def test_serve_command_builds_additional_config():
+    cmd = serve_command(["/m", "--port", "9", "--tables", "/t", "--mode=tp", "--additional-config", '{"x": 1}'])
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m"] and cmd[5:7] == ["--port", "9"]
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"x": 1, "semmoe": {"tables": "/t", "mode": "tp"}}
+    with pytest.raises(SystemExit, match="usage"):
+        serve_command(["--tables", "/t"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=60)
+    build_tables(trace, get_policy("semmoe").solve(trace, 8)).save(work / "tables")
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(work / "cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+    log = open(work / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
+         "--served-model-name", "tiny", "--tables", str(work / "tables")],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("server did not become healthy in 240 s")
+        yield base, work
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_plugin_is_active(server):
+    _, work = server
+    assert "semmoe: semmoe placement (EP 8) installed on 4 MoE layers" in (work / "server.log").read_text()
+
+
+def test_completions_and_chat_under_concurrent_load(server):
+    base, _ = server
+    def completion(i):
+        return _post(base + "/v1/completions",
+                     {"model": "tiny", "prompt": f"Question {i}: how do I sort a list in Python?",
+                      "max_tokens": 8, "temperature": 0})
+
+    def chat(i):
+        return _post(base + "/v1/chat/completions",
+                     {"model": "tiny", "messages": [{"role": "user", "content": f"Say hello to user {i}."}],
+                      "max_tokens": 8, "temperature": 0})
+
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = [pool.submit(completion if i % 2 else chat, i) for i in range(CONCURRENT)]
+        results = [f.result(timeout=300) for f in futures]
+    failed = [(status, body) for status, body in results if status != 200]
+    assert not failed, failed[:3]
+    for status, body in results:
+        choice = body["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert isinstance(text, str) and body["usage"]["completion_tokens"] >= 1

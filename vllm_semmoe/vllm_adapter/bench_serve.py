@@ -1,0 +1,166 @@
+"""``semmoe bench-serve``: DP serving of the embedded model under a bounded ShareGPT load.
+
+Starts ``semmoe serve`` with data parallelism and expert parallelism on loopback, sends a
+bounded number of streamed completions at a fixed concurrency, stops the server, and reports
+requests ok/failed, TTFT, throughput, and — from the engines' own routing captures — live LAR
+and the prompt tokens each DP rank actually processed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+from ..policy import get_policy
+from ..prompts import load_prompts
+from ..tables import build_tables
+from ..trace import load_trace
+
+
+def _say(message: str) -> None:
+    print(f"[semmoe] {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_completion(base: str, model: str, prompt: str, max_tokens: int, timeout: float = 300) -> dict:
+    """One streamed ``/v1/completions`` request: ``{"ok", "ttft_s", "latency_s", "tokens"}``."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(base + "/v1/completions", json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return {"ok": ttft is not None, "ttft_s": ttft, "latency_s": time.perf_counter() - start, "tokens": tokens}
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return {"ok": False, "error": str(exc)}
+
+
+def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, policy: str = "semmoe",
+                    num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
+                    profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
+                    max_model_len: int = 1024, startup_timeout: float = 300) -> dict:
+    """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (``semmoe`` or ``vllm``)."""
+    if policy not in ("semmoe", "vllm"):
+        raise ValueError(f"policy must be 'semmoe' or 'vllm', got {policy!r}")
+    os.makedirs(workdir, exist_ok=True)
+    if profile_trace is None:
+        from .workflows import profile
+
+        profile_trace = os.path.join(workdir, "profile.npz")
+        if not os.path.exists(profile_trace):
+            profile(model, dataset, profile_prompts, profile_trace, skip=skip)
+    trace = load_trace(profile_trace)
+    method, mode = ("semmoe", "dp") if policy == "semmoe" else ("vanilla", "placement-only")
+    tables_dir = os.path.join(workdir, f"tables_{policy}_dp{dp}")
+    build_tables(trace, get_policy(method).solve(trace, dp, mode="dp"), mode="dp").save(tables_dir)
+    capture = os.path.join(workdir, f"served_{policy}.npz")
+    for stale in glob.glob(capture.replace(".npz", ".dp*.npz*")):
+        os.remove(stale)
+    prompts = load_prompts(dataset, num_prompts, skip=skip + profile_prompts)
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(workdir, f"server_{policy}.log")
+    cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
+           "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--capture", capture]
+    _say(f"starting {policy} server (DP {dp} + EP), log in {log_path}")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_healthy(base, server, startup_timeout, log_path)
+            _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                results = list(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts))
+            wall = time.perf_counter() - start
+        finally:
+            _stop(server)
+    return _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
+
+
+def _wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.poll() is not None:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"server exited with code {server.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def _stop(server) -> None:
+    """SIGTERM the server's process group (engines flush their captures on exit), then wait."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
+    ok = [r for r in results if r.get("ok")]
+    rank_prompt_tokens, local, remote = [], 0, 0
+    for rank in range(dp):
+        path = capture.replace(".npz", f".dp{rank}.npz")
+        if not os.path.exists(path + ".json"):
+            raise RuntimeError(f"engine {rank} wrote no capture ({path}); see the server log")
+        with open(path + ".json") as f:
+            live = json.load(f)["live"]
+        local += live["local_activations"]
+        remote += live["remote_activations"]
+        served = load_trace(path)
+        rank_prompt_tokens.append(int((~served.is_decode).sum()))
+    loads = np.asarray(rank_prompt_tokens, float)
+    return {
+        "policy": policy,
+        "dp": dp,
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "live_lar": local / max(local + remote, 1),
+        "rank_prompt_tokens": rank_prompt_tokens,
+        "rank_imbalance": float(loads.max() / loads.mean()) if loads.sum() else float("nan"),
+        "ttft_p50_s": float(np.median([r["ttft_s"] for r in ok])) if ok else float("nan"),
+        "ttft_p99_s": float(np.percentile([r["ttft_s"] for r in ok], 99)) if ok else float("nan"),
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "wall_s": wall,
+        "num_prompts": num_prompts,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+    }

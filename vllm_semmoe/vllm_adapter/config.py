@@ -1,0 +1,97 @@
+"""``additional_config["semmoe"]``: the plugin's settings, validated at engine start."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..tables import SemMoETables, TablesError, load_tables
+
+MODES = ("placement-only", "tp", "dp")
+KEYS = ("tables", "capture", "mode", "dp_slack", "dp_price_step")
+
+
+class SemMoEConfigError(ValueError):
+    """The ``semmoe`` settings are invalid or do not fit the model being served."""
+
+
+@dataclass(frozen=True)
+class SemMoEConfig:
+    """Validated plugin settings.
+
+    Attributes:
+        tables: directory written by ``semmoe solve`` (``None``: no re-placement).
+        capture: path of the routing trace ``.npz`` to write (``None``: no capture).
+        mode: ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data
+            the Sem-MoE way and meter live LAR accordingly).
+        dp_slack: ``dp`` mode balance guard: never choose a rank whose queue score (vLLM's:
+            in-flight plus queued requests) exceeds the least-loaded rank's by more than this.
+        dp_price_step: ``dp`` mode token-balance price step (see ``scheduling.dp_choose``).
+    """
+
+    tables: str | None = None
+    capture: str | None = None
+    mode: str = "placement-only"
+    dp_slack: float = 4.0
+    dp_price_step: float = 0.03
+
+    @classmethod
+    def from_additional_config(cls, additional_config) -> "SemMoEConfig | None":
+        """Parse ``vllm_config.additional_config``; ``None`` when the plugin is not configured."""
+        if not additional_config or "semmoe" not in additional_config:
+            return None
+        raw = additional_config["semmoe"]
+        if not isinstance(raw, dict):
+            raise SemMoEConfigError(f"additional_config['semmoe'] must be a JSON object, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(KEYS))
+        if unknown:
+            raise SemMoEConfigError(
+                f"unknown key(s) {', '.join(map(repr, unknown))} in additional_config['semmoe'] "
+                f"(valid keys: {', '.join(KEYS)})"
+            )
+        mode = raw.get("mode", "placement-only")
+        if mode not in MODES:
+            raise SemMoEConfigError(f"semmoe mode must be one of {', '.join(MODES)}, got {mode!r}")
+        tables = raw.get("tables")
+        if tables is not None and not os.path.isdir(tables):
+            raise SemMoEConfigError(f"semmoe tables directory not found: {tables}")
+        if mode != "placement-only" and tables is None:
+            raise SemMoEConfigError(f"semmoe mode {mode!r} needs 'tables' (a directory from `semmoe solve`)")
+        capture = raw.get("capture")
+        if capture is not None:
+            parent = os.path.dirname(os.path.abspath(capture))
+            if not os.path.isdir(parent):
+                raise SemMoEConfigError(f"semmoe capture path's directory does not exist: {parent}")
+        if tables is None and capture is None:
+            raise SemMoEConfigError("additional_config['semmoe'] sets neither 'tables' nor 'capture'")
+        numbers = {}
+        for key in ("dp_slack", "dp_price_step"):
+            if key in raw:
+                value = raw[key]
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise SemMoEConfigError(f"semmoe {key} must be a number >= 0, got {value!r}")
+                numbers[key] = float(value)
+        return cls(tables=tables, capture=capture, mode=mode, **numbers)
+
+    def load_tables(self, *, num_layers: int, num_experts: int, ep_size: int) -> SemMoETables | None:
+        """Load the tables and check them against the running model and EP size.
+
+        ``placement-only`` on a single device (``ep_size == 1``) accepts tables of any EP size:
+        the permutation is still exact, which is how losslessness is tested without EP.
+        """
+        if self.tables is None:
+            return None
+        any_ep = self.mode == "placement-only" and ep_size == 1
+        try:
+            return load_tables(self.tables, num_layers=num_layers, num_experts=num_experts,
+                               ep_size=None if any_ep else ep_size)
+        except TablesError as exc:
+            raise SemMoEConfigError(f"semmoe: {exc}") from None
+
+
+def expert_parallel_size(parallel_config) -> int:
+    """EP size vLLM will use: TP × DP (× PCP) with ``--enable-expert-parallel``, else 1."""
+    if not getattr(parallel_config, "enable_expert_parallel", False):
+        return 1
+    size = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
+    return size * getattr(parallel_config, "prefill_context_parallel_size", 1)

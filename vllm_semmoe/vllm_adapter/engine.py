@@ -1,0 +1,80 @@
+"""Running vLLM in-process for profiling and the demo (CPU-friendly defaults)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def cpu_defaults() -> None:
+    """Environment defaults that vLLM's CPU build needs here (set only when unset)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cache = os.path.join(tempfile.gettempdir(), "vllm-semmoe-cache")
+    os.environ.setdefault("VLLM_CACHE_ROOT", cache)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
+
+
+def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype: str = "bfloat16",
+             in_process: bool = True, **kwargs):
+    """An ``LLM`` with the plugin configured by ``semmoe`` (``None``: plugin inactive).
+
+    ``in_process`` runs engine and worker in this process (fast start, and ``collective_rpc``
+    with a local function reaches the worker). Prefix caching is off so every prompt token is
+    computed — and so captured.
+    """
+    from vllm import LLM
+
+    cpu_defaults()
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs.setdefault("distributed_executor_backend", "uni")
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        additional_config={"semmoe": semmoe} if semmoe else {},
+        **kwargs,
+    )
+
+
+def fit_prompts(llm, prompts: list[str], max_model_len: int, max_tokens: int) -> list[dict]:
+    """Tokenise and left-truncate prompts so prompt + generation fits the context."""
+    tokenizer = llm.get_tokenizer()
+    budget = max_model_len - max_tokens
+    return [{"prompt_token_ids": tokenizer.encode(p)[-budget:]} for p in prompts]
+
+
+def generate(llm, prompts: list[dict], max_tokens: int):
+    """Greedy generation; returns vLLM's outputs in prompt order."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    return llm.generate(prompts, params, use_tqdm=True)
+
+
+def flush(llm) -> dict:
+    """Write the capture and return the live metrics (first worker's answer)."""
+    from .plugin import flush_capture
+
+    results = llm.collective_rpc(flush_capture)
+    return next((r for r in results if r), {})
+
+
+def run_prompts(model: str, prompts: list[str], *, max_tokens: int, semmoe: dict | None = None,
+                max_model_len: int = 512, **llm_kwargs) -> tuple[list[list[int]], dict]:
+    """Generate greedily for ``prompts`` with the plugin set to ``semmoe``; return the output
+    token ids per prompt and the plugin's summary (capture path, live LAR), then free the engine.
+    """
+    import gc
+
+    llm = make_llm(model, semmoe, max_model_len=max_model_len, **llm_kwargs)
+    try:
+        outputs = generate(llm, fit_prompts(llm, prompts, max_model_len, max_tokens), max_tokens)
+        recording = bool(semmoe) and (semmoe.get("capture") or semmoe.get("mode", "placement-only") != "placement-only")
+        summary = flush(llm) if recording else {}
+        return [list(o.outputs[0].token_ids) for o in outputs], summary
+    finally:
+        del llm
+        gc.collect()
