@@ -1,4 +1,39 @@
 """Triton kernels for Sem-MoE's shuffled reduce-scatter / all-gather (SRS/SAG).
 
 Each kernel comes with a PyTorch reference used on CPU; see the online data-scheduling work.
+
+- :func:`device_grouping`: the device-grouping "argsort" (stable counting sort of tokens by
+  target device into equal slices; same result as ``scheduling.shuffle_permutation``).
+- :func:`srs_pack`: permute-and-pack ``[B, H] -> [E*cap, H]`` before the reduce-scatter.
+- :func:`sag_unpack` / :func:`sag_unpack_scaled`: unpack-and-inverse-permute
+  ``[E*cap, H] -> [B, H]`` after the all-gather (optionally times a per-token scale).
+
+The dispatchers run Triton on CUDA tensors or under ``TRITON_INTERPRET=1`` (read at call time)
+and the ``*_reference`` functions otherwise; see :mod:`csrc_triton.shuffle`.
 """
+
+from .shuffle import (
+    PAD,
+    device_grouping,
+    device_grouping_reference,
+    sag_unpack,
+    sag_unpack_reference,
+    sag_unpack_scaled,
+    sag_unpack_scaled_reference,
+    srs_pack,
+    srs_pack_reference,
+    uses_triton,
+)
+
+__all__ = [
+    "PAD",
+    "device_grouping",
+    "device_grouping_reference",
+    "sag_unpack",
+    "sag_unpack_reference",
+    "sag_unpack_scaled",
+    "sag_unpack_scaled_reference",
+    "srs_pack",
+    "srs_pack_reference",
+    "uses_triton",
+]
