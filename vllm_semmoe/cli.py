@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the figures as JSON to this path ('-' = stdout)")
     p.set_defaults(func=cmd_bench_serve)
 
+    from .bench_ep import add_bench_ep_arguments, cmd_bench_ep
+
+    p = sub.add_parser("bench-ep", help="EP MoE-layer all-to-all benchmark replaying real routing (torch.distributed)")
+    add_bench_ep_arguments(p)
+    p.set_defaults(func=cmd_bench_ep)
+
     p = sub.add_parser("demo", help="the whole pipeline on the embedded model: profile, solve, serve, live vs predicted LAR")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
