@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
@@ -133,7 +134,8 @@ def main():
     llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True,
               seed=0, tensor_parallel_size=cfg["tp"],
               enable_expert_parallel=cfg["ep"],
-              distributed_executor_backend=cfg["backend"])
+              distributed_executor_backend=cfg["backend"],
+              additional_config={"semmoe": cfg["semmoe"]} if cfg.get("semmoe") else {})
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True,
                             logprobs=2 if cfg["margins"] else None)
     outs = llm.generate(cfg["prompts"], params, use_tqdm=False)
@@ -148,6 +150,9 @@ def main():
     if cfg["ask_workers"]:
         from vllm_semmoe.vllm_adapter.cpu_fixes import fixes_active
         result["worker_fixes"] = llm.collective_rpc(fixes_active)
+    if cfg.get("semmoe"):
+        from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
+        result["expert_fingerprints"] = llm.collective_rpc(local_expert_fingerprints)
     with open(cfg["out"], "w") as f:
         json.dump(result, f)
 
@@ -157,11 +162,11 @@ if __name__ == "__main__":
 
 
 def _generate(tmp: Path, name: str, *, tp: int, ep: bool, backend: str,
-              extra_env: dict[str, str], margins: bool = False) -> dict:
+              extra_env: dict[str, str], margins: bool = False, semmoe: dict | None = None) -> dict:
     out = tmp / f"{name}.json"
     cfg = {"model": str(tiny_moe_path()), "tp": tp, "ep": ep, "backend": backend,
            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-           "ask_workers": backend == "mp", "margins": margins}
+           "ask_workers": backend == "mp", "margins": margins, "semmoe": semmoe}
     _run_bounded([sys.executable, "-c", GENERATE_SCRIPT, json.dumps(cfg)],
                  _engine_env(tmp, **extra_env), tmp / f"{name}.log", ENGINE_TIMEOUT_S)
     return json.loads(out.read_text())
@@ -661,3 +666,29 @@ def test_serve_dp2_matches_tp1(reference: list[dict], tmp_path: Path,
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def test_tp2_expert_parallel_with_replacement(reference: list[dict], tmp_path: Path) -> None:
+    """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
+    gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
+    from safetensors.torch import load_file
+
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+
+    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
+    placement = get_policy("semmoe").solve(trace, 2)
+    build_tables(trace, placement).save(tmp_path / "tables")
+    result = _generate(tmp_path, "tp2_ep_placed", tp=2, ep=True, backend="mp", extra_env={
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }, semmoe={"tables": str(tmp_path / "tables")})
+    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
+    p2l = placement.physical_to_logical()
+    for rank, per_layer in enumerate(result["expert_fingerprints"]):
+        for layer, local_sums in enumerate(per_layer):
+            expected = p2l[layer][rank * 16 : (rank + 1) * 16]
+            want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
+                    for e in expected]
+            assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (rank, layer)
+    _assert_same_tokens(result["outputs"], reference, "TP=2 + EP with a Sem-MoE placement")

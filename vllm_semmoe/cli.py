@@ -195,7 +195,8 @@ def cmd_bench_serve(args) -> int:
 
     result = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
                              policy=args.policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
-                             max_tokens=args.max_tokens, profile_trace=args.profile_trace)
+                             max_tokens=args.max_tokens, profile_trace=args.profile_trace,
+                             dp_slack=args.dp_slack, dp_price_step=args.dp_price_step)
     print(f"bench-serve: policy {result['policy']}, DP {result['dp']} + EP, {result['num_prompts']} ShareGPT "
           f"prompts at concurrency {result['concurrency']}")
     print(f"  ok {result['ok']}, failed {result['failed']}; live LAR {result['live_lar']:.4f}; "
@@ -207,7 +208,8 @@ def cmd_bench_serve(args) -> int:
 
 
 def serve_command(argv: list[str]) -> list[str]:
-    """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]`` → the
+    """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]
+    [--dp-slack S] [--dp-price-step P]`` → the
     ``vllm serve`` command line with ``--additional-config`` carrying the plugin settings."""
     import json as _json
 
@@ -215,10 +217,13 @@ def serve_command(argv: list[str]) -> list[str]:
     it = iter(argv)
     for arg in it:
         key, eq, value = arg.partition("=")
-        if key in ("--tables", "--mode", "--capture"):
-            semmoe[key[2:]] = value if eq else next(it, None)
-            if semmoe[key[2:]] is None:
+        if key in ("--tables", "--mode", "--capture", "--dp-slack", "--dp-price-step"):
+            name = key[2:].replace("-", "_")
+            semmoe[name] = value if eq else next(it, None)
+            if semmoe[name] is None:
                 raise SystemExit(f"semmoe serve: {key} needs a value")
+            if name in ("dp_slack", "dp_price_step"):
+                semmoe[name] = float(semmoe[name])
         elif key == "--additional-config":
             additional = _json.loads(value if eq else next(it))
         else:
@@ -308,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
+    p.add_argument("--dp-slack", type=float, default=None, help="semmoe: queue-score guard slack (requests)")
+    p.add_argument("--dp-price-step", type=float, default=None, help="semmoe: token-balance price step")
     p.add_argument("--workdir", default=os.path.join("out", "bench_serve"))
     p.add_argument("--json", help="write the figures as JSON to this path ('-' = stdout)")
     p.set_defaults(func=cmd_bench_serve)

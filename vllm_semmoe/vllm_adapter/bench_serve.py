@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_completion(base: str, model: str, prompt: str, max_tokens: int, timeout: float = 300) -> dict:
+def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: float = 300) -> dict:
     """One streamed ``/v1/completions`` request: ``{"ok", "ttft_s", "latency_s", "tokens"}``."""
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                "stream": True, "stream_options": {"include_usage": True}}
@@ -58,6 +58,8 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, timeo
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
         return {"ok": ttft is not None, "ttft_s": ttft, "latency_s": time.perf_counter() - start, "tokens": tokens}
+    except urllib.error.HTTPError as exc:
+        return {"ok": False, "error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}"}
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return {"ok": False, "error": str(exc)}
 
@@ -65,7 +67,8 @@ def stream_completion(base: str, model: str, prompt: str, max_tokens: int, timeo
 def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, policy: str = "semmoe",
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
-                    max_model_len: int = 1024, startup_timeout: float = 300) -> dict:
+                    max_model_len: int = 1024, startup_timeout: float = 300, dp_slack: float | None = None,
+                    dp_price_step: float | None = None) -> dict:
     """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (``semmoe`` or ``vllm``)."""
     if policy not in ("semmoe", "vllm"):
         raise ValueError(f"policy must be 'semmoe' or 'vllm', got {policy!r}")
@@ -81,9 +84,9 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     tables_dir = os.path.join(workdir, f"tables_{policy}_dp{dp}")
     build_tables(trace, get_policy(method).solve(trace, dp, mode="dp"), mode="dp").save(tables_dir)
     capture = os.path.join(workdir, f"served_{policy}.npz")
-    for stale in glob.glob(capture.replace(".npz", ".dp*.npz*")):
+    for stale in glob.glob(capture.replace(".npz", ".dp*")):
         os.remove(stale)
-    prompts = load_prompts(dataset, num_prompts, skip=skip + profile_prompts)
+    prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -92,6 +95,10 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
            "--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
            "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
            "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--capture", capture]
+    if dp_slack is not None:
+        cmd += ["--dp-slack", str(dp_slack)]
+    if dp_price_step is not None:
+        cmd += ["--dp-price-step", str(dp_price_step)]
     _say(f"starting {policy} server (DP {dp} + EP), log in {log_path}")
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -102,9 +109,18 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 results = list(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts))
             wall = time.perf_counter() - start
+            time.sleep(1.0)  # let the engines finish writing their counters
         finally:
             _stop(server)
     return _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
+
+
+def _fit(model: str, prompts: list[str], budget: int) -> list[list[int]]:
+    """Token ids of each prompt, left-truncated so prompt + completion fit the context."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [tokenizer.encode(p)[-budget:] for p in prompts]
 
 
 def _wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
@@ -138,15 +154,14 @@ def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max
     ok = [r for r in results if r.get("ok")]
     rank_prompt_tokens, local, remote = [], 0, 0
     for rank in range(dp):
-        path = capture.replace(".npz", f".dp{rank}.npz")
-        if not os.path.exists(path + ".json"):
-            raise RuntimeError(f"engine {rank} wrote no capture ({path}); see the server log")
-        with open(path + ".json") as f:
-            live = json.load(f)["live"]
+        path = capture.replace(".npz", f".dp{rank}.npz") + ".live.json"
+        if not os.path.exists(path):
+            raise RuntimeError(f"engine {rank} wrote no live counters ({path}); see the server log")
+        with open(path) as f:
+            live = json.load(f)
         local += live["local_activations"]
         remote += live["remote_activations"]
-        served = load_trace(path)
-        rank_prompt_tokens.append(int((~served.is_decode).sum()))
+        rank_prompt_tokens.append(int(live["prompt_tokens"]))
     loads = np.asarray(rank_prompt_tokens, float)
     return {
         "policy": policy,
@@ -163,4 +178,5 @@ def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max
         "num_prompts": num_prompts,
         "concurrency": concurrency,
         "max_tokens": max_tokens,
+        "errors": sorted({r.get("error", "") for r in results if not r.get("ok")})[:5],
     }

@@ -9,6 +9,8 @@ through the placement), prefill and decode tokens marked.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import numpy as np
@@ -37,6 +39,7 @@ class RoutingRecorder:
         self._prompt_len: list[int] = []
         self._steps: list[dict] = []
         self._current: dict | None = None
+        self.dp_counters: DpLiveCounters | None = None
 
     # ---- hooks -----------------------------------------------------------------------------
     def begin_forward(self, runner, input_ids: torch.Tensor | None, positions: torch.Tensor) -> None:
@@ -78,6 +81,9 @@ class RoutingRecorder:
             raise RuntimeError(f"semmoe capture: MoE layers {missing} produced no routing in a step")
         step["experts"] = np.stack(step["experts"], axis=1)  # [n, L, K]
         self._steps.append(step)
+        if self.dp_counters is not None:
+            prompt = step["position"] < np.asarray(self._prompt_len)[step["request"]]
+            self.dp_counters.update(step["experts"], int(prompt.sum()), len(self._steps))
 
     # ---- results ---------------------------------------------------------------------------
     @property
@@ -127,6 +133,40 @@ class RoutingRecorder:
             request_ids=[_request_number(self._request_names[r], r) for r in present],
             is_decode=is_decode,
         )
+
+
+class DpLiveCounters:
+    """Per-engine live counters under data parallelism, written to a small JSON every step.
+
+    Engine processes are often killed at server shutdown before they can write anything, so
+    these counters (what ``semmoe bench-serve`` and a user watching the server read) are kept
+    on disk as they change: local and remote activations of this DP rank (an activation is
+    local when its physical expert slot is on one of this rank's EP devices), prompt tokens
+    and steps.
+    """
+
+    def __init__(self, path: str, dp_rank: int, dp_size: int, num_experts: int, ep_size: int):
+        self.path = path
+        self.dp_rank = dp_rank
+        group = ep_size // dp_size
+        per_device = num_experts // ep_size
+        self.first_slot = dp_rank * group * per_device
+        self.end_slot = (dp_rank + 1) * group * per_device
+        self.local = self.remote = self.prompt_tokens = self.tokens = 0
+
+    def update(self, physical_experts: np.ndarray, prompt_tokens: int, steps: int) -> None:
+        local = int(((physical_experts >= self.first_slot) & (physical_experts < self.end_slot)).sum())
+        self.local += local
+        self.remote += physical_experts.size - local
+        self.prompt_tokens += prompt_tokens
+        self.tokens += physical_experts.shape[0]
+        payload = {"dp_rank": self.dp_rank, "steps": steps, "tokens": self.tokens,
+                   "prompt_tokens": self.prompt_tokens, "local_activations": self.local,
+                   "remote_activations": self.remote, "lar": self.local / max(self.local + self.remote, 1)}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, self.path)
 
 
 def _request_number(name: str, fallback: int) -> int:

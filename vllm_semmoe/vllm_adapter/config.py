@@ -32,8 +32,8 @@ class SemMoEConfig:
     tables: str | None = None
     capture: str | None = None
     mode: str = "placement-only"
-    dp_slack: float = 4.0
-    dp_price_step: float = 0.03
+    dp_slack: float = 8.0
+    dp_price_step: float = 0.1
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "SemMoEConfig | None":

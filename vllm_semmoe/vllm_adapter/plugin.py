@@ -37,6 +37,7 @@ REQUIRED_INTERNALS = (
     ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.shutdown"),
     ("vllm.v1.engine.core_client", "DPLBAsyncMPClient.get_core_engine_for_request"),
 )
 
@@ -198,6 +199,20 @@ def _patch_model_runner() -> None:
 
     GPUModelRunner._model_forward = patched_model_forward
 
+    shutdown = GPUModelRunner.shutdown
+
+    @functools.wraps(shutdown)
+    def patched_shutdown(self, *args, **kwargs):
+        # Engines in worker processes end here on SIGTERM (atexit does not run there).
+        if self.__dict__.get("_semmoe_recorder") is not None:
+            try:
+                flush_capture(self)
+            except Exception:  # never block vLLM's shutdown
+                logger.exception("semmoe: could not write the routing capture")
+        return shutdown(self, *args, **kwargs)
+
+    GPUModelRunner.shutdown = patched_shutdown
+
 
 _UNSET = object()
 
@@ -256,6 +271,13 @@ def attach_recorder(runner, config):
     )
     for index, layer in enumerate(layers):
         layer.router.set_capture_fn(functools.partial(recorder.on_layer, index))
+    parallel = runner.vllm_config.parallel_config
+    if parallel.data_parallel_size > 1 and tables is not None and config.capture is not None:
+        from .capture import DpLiveCounters
+
+        recorder.dp_counters = DpLiveCounters(
+            dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
+            parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
     runner._semmoe_config = config
     atexit.register(flush_capture, runner)
     return recorder
@@ -273,6 +295,14 @@ def _vocab(model_config) -> list[str]:
         return []
 
 
+def dp_capture_path(path: str, parallel_config) -> str:
+    """The capture path of this engine: ``X.npz``, or ``X.dp<rank>.npz`` under data parallelism."""
+    if parallel_config.data_parallel_size <= 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.dp{parallel_config.data_parallel_rank}{ext}"
+
+
 def flush_capture(runner_or_worker) -> dict:
     """Write the capture (rank 0 of its TP group) and return the live metrics.
 
@@ -283,6 +313,8 @@ def flush_capture(runner_or_worker) -> dict:
     config = getattr(runner, "_semmoe_config", None)
     if recorder is None or recorder.num_steps == 0:
         return {}
+    if getattr(recorder, "flushed_steps", None) == recorder.num_steps:
+        return recorder.flushed_summary  # nothing new since the last flush
     from vllm.distributed import parallel_state
 
     from .capture import live_lar
@@ -294,12 +326,10 @@ def flush_capture(runner_or_worker) -> dict:
     if tables is not None:
         summary["live"] = live_lar(recorder, tables, dp_rank=dp.data_parallel_rank, dp_size=dp.data_parallel_size)
     if tp_rank == 0 and config.capture is not None:
-        path = config.capture
-        if dp.data_parallel_size > 1:
-            root, ext = os.path.splitext(path)
-            path = f"{root}.dp{dp.data_parallel_rank}{ext}"
+        path = dp_capture_path(config.capture, dp)
         recorder.trace().save(path)
         with open(path + ".json", "w") as f:
             json.dump(summary, f, indent=2)
         summary["path"] = path
+    recorder.flushed_steps, recorder.flushed_summary = recorder.num_steps, summary
     return summary

@@ -88,3 +88,12 @@ def _wrap_loader(param, wrapper) -> None:
 def physical_to_logical_ids(topk_ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
     """Map captured physical expert ids ``[T, K]`` of one layer back to logical ids."""
     return p2l[topk_ids]
+
+
+def local_expert_fingerprints(worker) -> list[list[float]]:
+    """Per MoE layer, the sum of each local expert's ``w2`` weights on this rank (in local slot
+    order); for tests that check which experts a rank loaded. Usable with ``collective_rpc``.
+    """
+    runner = getattr(worker, "model_runner", worker)
+    return [[float(w.float().sum()) for w in layer.routed_experts.w2_weight]
+            for layer in moe_runners(runner.get_model())]
