@@ -3,11 +3,8 @@
 import concurrent.futures
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -18,14 +15,9 @@ from vllm_semmoe.cli import serve_command
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.synthetic import synthetic_trace
 from vllm_semmoe.tables import build_tables
+from vllm_semmoe.vllm_adapter.bench_serve import free_port, stop_server, wait_healthy
 
 CONCURRENT = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, payload: dict, timeout: float = 120) -> tuple[int, dict]:
@@ -50,7 +42,7 @@ def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=60)
     build_tables(trace, get_policy("semmoe").solve(trace, 8)).save(work / "tables")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(work / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
     log = open(work / "server.log", "w")
@@ -62,26 +54,10 @@ def server(tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{(work / 'server.log').read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("server did not become healthy in 240 s")
+        wait_healthy(base, proc, 240, str(work / "server.log"))
         yield base, work
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
         log.close()
 
 

@@ -32,7 +32,8 @@ def _say(message: str) -> None:
     print(f"[semmoe] {message}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,7 +89,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
         os.remove(stale)
     prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = os.path.join(workdir, f"server_{policy}.log")
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
@@ -103,7 +104,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_healthy(base, server, startup_timeout, log_path)
+            wait_healthy(base, server, startup_timeout, log_path)
             _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -111,7 +112,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
             wall = time.perf_counter() - start
             time.sleep(1.0)  # let the engines finish writing their counters
         finally:
-            _stop(server)
+            stop_server(server)
     return _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
 
 
@@ -123,7 +124,8 @@ def _fit(model: str, prompts: list[str], budget: int) -> list[list[int]]:
     return [tokenizer.encode(p)[-budget:] for p in prompts]
 
 
-def _wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
+def wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
+    """Poll ``base/health`` until 200; raise with the log's tail if the server exits or times out."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if server.poll() is not None:
@@ -139,7 +141,7 @@ def _wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
     raise RuntimeError(f"server not healthy after {timeout:.0f} s (log: {log_path})")
 
 
-def _stop(server) -> None:
+def stop_server(server) -> None:
     """SIGTERM the server's process group (engines flush their captures on exit), then wait."""
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)
