@@ -33,7 +33,7 @@ SUPPORTED_VLLM = ("0.32.",)
 REQUIRED_INTERNALS = (
     ("vllm.engine.arg_utils", "EngineArgs.create_engine_config"),
     ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader.create_model"),
-    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner.forward"),
     ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model"),
@@ -167,6 +167,12 @@ def _patch_model_loader() -> None:
             )
             install_placement(runners, tables.placement)
             model._semmoe_tables = tables
+            parallel = vllm_config.parallel_config
+            if config.mode == "tp" and parallel.tensor_parallel_size > 1 and parallel.enable_expert_parallel:
+                from .tp_shuffle import TpShuffleLayer
+
+                for index, runner in enumerate(runners):
+                    runner._semmoe_tp = TpShuffleLayer(index, tables)
             logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
                         tables.placement.method, tables.ep_size, len(runners))
         return model
@@ -193,7 +199,15 @@ def _patch_model_runner() -> None:
         if recorder is None:
             return model_forward(self, input_ids, positions, *args, **kwargs)
         recorder.begin_forward(self, input_ids, positions)
-        output = model_forward(self, input_ids, positions, *args, **kwargs)
+        from . import tp_shuffle
+
+        tables = getattr(self.get_model(), "_semmoe_tables", None)
+        if recorder._current is not None and tables is not None and recorder.config_mode == "tp":
+            tp_shuffle.STEP = tp_shuffle.StepContext(recorder._current["token"], tables, recorder)
+        try:
+            output = model_forward(self, input_ids, positions, *args, **kwargs)
+        finally:
+            tp_shuffle.STEP = None
         recorder.end_forward()
         return output
 
@@ -212,6 +226,23 @@ def _patch_model_runner() -> None:
         return shutdown(self, *args, **kwargs)
 
     GPUModelRunner.shutdown = patched_shutdown
+
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    moe_forward = MoERunner.forward
+
+    @functools.wraps(moe_forward)
+    def patched_moe_forward(self, hidden_states, router_logits, *args, **kwargs):
+        from . import tp_shuffle
+
+        layer = self.__dict__.get("_semmoe_tp")
+        step = tp_shuffle.STEP
+        if layer is None or step is None or hidden_states.shape[0] != len(step.rows):
+            # not configured, a warm-up run, or a padded batch: vLLM's own path on every rank
+            return moe_forward(self, hidden_states, router_logits, *args, **kwargs)
+        return tp_shuffle.shuffled_moe_forward(self, layer, hidden_states, tp_shuffle.STEP)
+
+    MoERunner.forward = patched_moe_forward
 
 
 _UNSET = object()
@@ -279,6 +310,7 @@ def attach_recorder(runner, config):
             dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
             parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
     runner._semmoe_config = config
+    recorder.config_mode = config.mode
     atexit.register(flush_capture, runner)
     return recorder
 
@@ -323,6 +355,11 @@ def flush_capture(runner_or_worker) -> dict:
     dp = runner.vllm_config.parallel_config
     summary = {"steps": recorder.num_steps, "dp_rank": dp.data_parallel_rank}
     tables = getattr(runner.get_model(), "_semmoe_tables", None)
+    if getattr(recorder, "config_mode", None) == "tp":
+        from .tp_shuffle import TpShuffleLayer
+
+        if TpShuffleLayer.counters["layers_run"]:
+            summary["tp_shuffle"] = dict(TpShuffleLayer.counters)
     if tables is not None:
         summary["live"] = live_lar(recorder, tables, dp_rank=dp.data_parallel_rank, dp_size=dp.data_parallel_size)
     if tp_rank == 0 and config.capture is not None:
