@@ -750,6 +750,8 @@ def test_tp2_srs_sag_shuffle(reference: list[dict], tmp_path: Path) -> None:
         result = json.loads(out.read_text())
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {method} tables")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
+        # the shuffle ran fused into the collectives in every MoE layer of every real step
+        assert all(c["fused_layers_run"] == c["layers_run"] > 0 for c in counters), counters
         local = sum(c["local_activations"] for c in counters)
         remote = sum(c["remote_activations"] for c in counters)
         served = load_trace(tmp_path / f"{method}_served.npz")

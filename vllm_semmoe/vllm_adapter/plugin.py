@@ -173,6 +173,7 @@ def _patch_model_loader() -> None:
 
                 for index, runner in enumerate(runners):
                     runner._semmoe_tp = TpShuffleLayer(index, tables)
+                fuse_decoder_layers(model)
             logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
                         tables.placement.method, tables.ep_size, len(runners))
         return model
@@ -246,6 +247,33 @@ def _patch_model_runner() -> None:
 
 
 _UNSET = object()
+
+
+def fuse_decoder_layers(model) -> int:
+    """Give Qwen3-MoE-style decoder layers (input/post-attention norms, row-parallel ``o_proj``,
+    ``mlp.experts`` = a shuffled MoE layer) the fused SRS/SAG forward; returns how many.
+    Other layers keep the MoE-boundary shuffle."""
+    from . import tp_shuffle
+
+    fused = 0
+    for module in model.modules():
+        mlp, attn = getattr(module, "mlp", None), getattr(module, "self_attn", None)
+        layer = getattr(getattr(mlp, "experts", None), "_semmoe_tp", None)
+        if layer is None or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "is_sequence_parallel", False) \
+                or not hasattr(attn, "o_proj") or not hasattr(module, "post_attention_layernorm"):
+            continue
+        original = module.forward
+
+        def forward(positions, hidden_states, residual, *, _module=module, _layer=layer, _original=original):
+            step = tp_shuffle.STEP
+            if step is None or hidden_states.shape[0] != len(step.rows):
+                return _original(positions, hidden_states, residual)
+            return tp_shuffle.fused_decoder_forward(_module, _layer, positions, hidden_states, residual, step)
+
+        module.forward = forward
+        fused += 1
+    logger.info("semmoe: shuffled reduce-scatter/all-gather fused into %d decoder layers", fused)
+    return fused
 
 
 # ---- API server: DP rank choice -----------------------------------------------------------------
