@@ -12,28 +12,5 @@ The dispatchers run Triton on CUDA tensors or under ``TRITON_INTERPRET=1`` (read
 and the ``*_reference`` functions otherwise; see :mod:`csrc_triton.shuffle`.
 """
 
-from .shuffle import (
-    PAD,
-    device_grouping,
-    device_grouping_reference,
-    sag_unpack,
-    sag_unpack_reference,
-    sag_unpack_scaled,
-    sag_unpack_scaled_reference,
-    srs_pack,
-    srs_pack_reference,
-    uses_triton,
-)
-
-__all__ = [
-    "PAD",
-    "device_grouping",
-    "device_grouping_reference",
-    "sag_unpack",
-    "sag_unpack_reference",
-    "sag_unpack_scaled",
-    "sag_unpack_scaled_reference",
-    "srs_pack",
-    "srs_pack_reference",
-    "uses_triton",
-]
+from .shuffle import *  # noqa: F401,F403  (re-exports the public API)
+from .shuffle import __all__  # noqa: F401

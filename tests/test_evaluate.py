@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from vllm_semmoe.evaluate import EvalConfig, compare_methods, evaluate

@@ -80,8 +80,7 @@ def _tp_devices(trace, counts, tables, ep_size, batch_tokens):
     device = np.empty((T, L), np.int64)
     if tables is None:
         for s, e in zip(starts, ends):
-            cap = scheduling.slice_capacity(e - s, ep_size)
-            device[s:e] = (np.arange(e - s) // cap)[:, None]
+            device[s:e] = scheduling.contiguous_slices(e - s, ep_size)[:, None]
     else:
         rows = tables.token_rows(trace.tokens)
         major = majority_device(counts)

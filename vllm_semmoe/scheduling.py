@@ -165,6 +165,12 @@ def slice_capacity(num_tokens: int, ep_size: int) -> int:
     return max(1, -(-num_tokens // ep_size))
 
 
+def contiguous_slices(num_tokens: int, ep_size: int) -> np.ndarray:
+    """``[B]`` device per token under the engines' default reduce-scatter: equal contiguous
+    slices of ``ceil(B/E)`` tokens (what vLLM/SGLang do without Sem-MoE)."""
+    return np.arange(num_tokens) // slice_capacity(num_tokens, ep_size)
+
+
 def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int,
                 combine: int = COMBINE_PRODUCT):
     """One layer's Attention-TP decision for a batch.

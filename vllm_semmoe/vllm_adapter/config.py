@@ -73,8 +73,14 @@ class SemMoEConfig:
                 numbers[key] = float(value)
         return cls(tables=tables, capture=capture, mode=mode, **numbers)
 
-    def load_tables(self, *, num_layers: int, num_experts: int, ep_size: int) -> SemMoETables | None:
-        """Load the tables and check them against the running model and EP size.
+    @property
+    def records(self) -> bool:
+        """Whether engines keep a routing recorder (for the capture file or live metering)."""
+        return self.capture is not None or self.mode != "placement-only"
+
+    def load_tables(self, *, num_layers: int | None, num_experts: int, ep_size: int) -> SemMoETables | None:
+        """Load the tables and check them against the running model and EP size
+        (``num_layers=None``: layer count not known yet, not checked).
 
         ``placement-only`` on a single device (``ep_size == 1``) accepts tables of any EP size:
         the permutation is still exact, which is how losslessness is tested without EP.
@@ -83,8 +89,10 @@ class SemMoEConfig:
             return None
         any_ep = self.mode == "placement-only" and ep_size == 1
         try:
-            return load_tables(self.tables, num_layers=num_layers, num_experts=num_experts,
-                               ep_size=None if any_ep else ep_size)
+            tables = load_tables(self.tables)
+            tables.check_compatible(num_layers=tables.num_layers if num_layers is None else num_layers,
+                                    num_experts=num_experts, ep_size=None if any_ep else ep_size)
+            return tables
         except TablesError as exc:
             raise SemMoEConfigError(f"semmoe: {exc}") from None
 

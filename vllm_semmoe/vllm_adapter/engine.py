@@ -72,8 +72,10 @@ def run_prompts(model: str, prompts: list[str], *, max_tokens: int, semmoe: dict
     llm = make_llm(model, semmoe, max_model_len=max_model_len, **llm_kwargs)
     try:
         outputs = generate(llm, fit_prompts(llm, prompts, max_model_len, max_tokens), max_tokens)
-        recording = bool(semmoe) and (semmoe.get("capture") or semmoe.get("mode", "placement-only") != "placement-only")
-        summary = flush(llm) if recording else {}
+        from .config import SemMoEConfig
+
+        config = SemMoEConfig.from_additional_config({"semmoe": semmoe} if semmoe else None)
+        summary = flush(llm) if config is not None and config.records else {}
         return [list(o.outputs[0].token_ids) for o in outputs], summary
     finally:
         del llm

@@ -138,11 +138,8 @@ def validate_against_model(config, vllm_config) -> None:
                         if getattr(hf, k, None)), None)
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
-    ep_size = expert_parallel_size(vllm_config.parallel_config)
-    from ..tables import load_tables
-
-    tables = load_tables(config.tables)
-    config.load_tables(num_layers=tables.num_layers, num_experts=int(num_experts), ep_size=ep_size)
+    config.load_tables(num_layers=None, num_experts=int(num_experts),
+                       ep_size=expert_parallel_size(vllm_config.parallel_config))
 
 
 # ---- model build: placement -------------------------------------------------------------------
@@ -194,17 +191,15 @@ def _patch_model_runner() -> None:
         recorder = self.__dict__.get("_semmoe_recorder", _UNSET)
         if recorder is _UNSET:
             config = _semmoe_config(self.vllm_config)
-            wanted = config is not None and (config.capture is not None or config.mode != "placement-only")
-            recorder = attach_recorder(self, config) if wanted else None
+            recorder = attach_recorder(self, config) if config is not None and config.records else None
             self._semmoe_recorder = recorder
         if recorder is None:
             return model_forward(self, input_ids, positions, *args, **kwargs)
         recorder.begin_forward(self, input_ids, positions)
-        from . import tp_shuffle
+        from . import tp_shuffle  # lazy: imports Triton/Numba, only needed in engines that record
 
-        tables = getattr(self.get_model(), "_semmoe_tables", None)
-        if recorder._current is not None and tables is not None and recorder.config_mode == "tp":
-            tp_shuffle.STEP = tp_shuffle.StepContext(recorder._current["token"], tables, recorder)
+        if recorder._current is not None and recorder.shuffle_tables is not None:
+            tp_shuffle.STEP = tp_shuffle.StepContext(recorder._current["token"], recorder.shuffle_tables, recorder)
         try:
             output = model_forward(self, input_ids, positions, *args, **kwargs)
         finally:
@@ -339,6 +334,8 @@ def attach_recorder(runner, config):
             parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
     runner._semmoe_config = config
     recorder.config_mode = config.mode
+    # tables for the TP shuffle, when this engine runs it (set at model build)
+    recorder.shuffle_tables = tables if any(getattr(l, "_semmoe_tp", None) for l in layers) else None
     atexit.register(flush_capture, runner)
     return recorder
 

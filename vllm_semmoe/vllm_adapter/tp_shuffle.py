@@ -65,7 +65,7 @@ class TpShuffleLayer:
                 step.rows, history, self.t2d, self.tables.oov_score[self.layer],
                 self.tables.markov[self.layer], ep_size)
         else:
-            device = np.arange(num_tokens) // cap
+            device = scheduling.contiguous_slices(num_tokens, ep_size)
             slot_token, token_slot = scheduling.shuffle_permutation(device, ep_size, cap)
         return slot_token, token_slot, cap
 
