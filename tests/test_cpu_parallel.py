@@ -222,7 +222,7 @@ def test_fixes_installed_and_idempotent() -> None:
     assert vllm.__version__.startswith("0.32."), "these fixes were written for vLLM 0.32"
     cpu_fixes.apply_cpu_fixes()
     assert cpu_fixes.fixes_active() == {"expert_map": True, "all_gatherv": True,
-                                        "reduce_scatterv": True}
+                                        "reduce_scatterv": True, "dp_opaque_moe": True}
     before = (CPUUnquantizedExperts.__dict__["apply"], CpuCommunicator.__dict__["all_gatherv"],
               CpuCommunicator.__dict__["reduce_scatterv"])
     cpu_fixes._APPLIED = False  # force the slow path again: markers must prevent re-wrapping

@@ -42,28 +42,36 @@ class RoutingRecorder:
         self.dp_counters: DpLiveCounters | None = None
 
     # ---- hooks -----------------------------------------------------------------------------
-    def begin_forward(self, runner, input_ids: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Called by the model runner right before a real forward step."""
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        bounds = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64).copy()
-        n = int(bounds[-1])
-        if input_ids is None or n == 0:
+    def begin_forward(self, req_ids: list[str], num_prompt_tokens: np.ndarray, bounds: np.ndarray,
+                      tokens: np.ndarray | None, positions: np.ndarray | None) -> None:
+        """Called by the model-runner hook right before a real forward step.
+
+        Args:
+            req_ids: ``[R]`` request ids of the step; num_prompt_tokens: ``[R]`` their prompt lengths.
+            bounds: ``[R+1]`` token offsets of each request in the step.
+            tokens, positions: ``[n]`` token ids and positions (``None``: nothing to record).
+        """
+        n = int(bounds[-1]) if len(bounds) else 0
+        if tokens is None or n == 0:
             self._current = None
             return
         req = np.empty(n, np.int64)
-        for i, name in enumerate(batch.req_ids[:num_reqs]):
+        for i, name in enumerate(req_ids):
             if name not in self._request_index:
                 self._request_index[name] = len(self._request_names)
                 self._request_names.append(name)
-                self._prompt_len.append(int(batch.num_prompt_tokens[i]))
+                self._prompt_len.append(int(num_prompt_tokens[i]))
             req[bounds[i] : bounds[i + 1]] = self._request_index[name]
         self._current = {
             "request": req,
-            "token": input_ids[:n].detach().to("cpu", torch.int64).numpy().copy(),
-            "position": positions[:n].detach().to("cpu", torch.int64).numpy().copy(),
+            "token": np.asarray(tokens[:n], np.int64),
+            "position": np.asarray(positions[:n], np.int64),
             "experts": [None] * self.num_layers,
         }
+
+    def abort_forward(self) -> None:
+        """The step failed: forget its partial routing."""
+        self._current = None
 
     def on_layer(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Capture hook of MoE layer ``layer`` (physical expert ids ``[tokens, K]``)."""

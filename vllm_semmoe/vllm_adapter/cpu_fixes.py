@@ -25,6 +25,15 @@ vLLM 0.32 on CPU crashes or fails in two parallel modes that Sem-MoE needs:
    padding) and :func:`_cpu_reduce_scatterv` (``all_reduce`` the whole tensor, keep this rank's
    rows).
 
+3. **Data parallel, compiled** (vLLM's default compilation, no ``--enforce-eager``): on CPU,
+   ``MoERunner`` calls its MoE function directly (``_select_forward``), so Dynamo traces the
+   DP gather/scatter into the graph, with token counts that change every step: tracing fails
+   (``_check_sizes`` cannot be guarded) or, worse, bakes one step's sizes in.
+
+   Fix: :func:`_make_select_forward` makes MoE layers with ``dp_size > 1`` (or sequence
+   parallelism) call vLLM's opaque ``torch.ops.vllm.moe_forward`` op, as CUDA vLLM always does,
+   so the gather runs eagerly on every step with that step's sizes.
+
 Policy: fixes are applied only on the CPU platform and only for vLLM 0.32.x, where the bugs were
 seen. On other versions nothing is patched; if a target has moved, a warning names it. If a fix
 is needed (CPU and 0.32) but its target is missing, :func:`apply_cpu_fixes` raises
@@ -48,6 +57,8 @@ CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 CPU_MOE_CLASS = "CPUUnquantizedExperts"
 CPU_COMM_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 CPU_COMM_CLASS = "CpuCommunicator"
+MOE_RUNNER_MODULE = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+MOE_RUNNER_CLASS = "MoERunner"
 
 #: Attribute set on the functions this module installs (idempotency and introspection).
 PATCH_MARKER = "__semmoe_cpu_fix__"
@@ -218,6 +229,30 @@ setattr(_cpu_reduce_scatterv, PATCH_MARKER, "reduce_scatterv")
 
 
 # ---------------------------------------------------------------------------------------------
+# Fix 3: data parallel MoE layers as an opaque op (compiled models)
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_select_forward(original):
+    """Wrap ``MoERunner._select_forward``: DP (or sequence-parallel) MoE layers use the opaque
+    ``torch.ops.vllm.moe_forward[_shared]`` op instead of the traced function."""
+
+    @functools.wraps(original)
+    def _select_forward(self):
+        entry = original(self)
+        config = self.moe_config
+        if getattr(config, "dp_size", 1) > 1 or getattr(config, "is_sequence_parallel", False):
+            import torch
+
+            return torch.ops.vllm.moe_forward if self.shared_experts is None else torch.ops.vllm.moe_forward_shared
+        return entry
+
+    setattr(_select_forward, PATCH_MARKER, "dp_opaque_moe")
+    _select_forward.__semmoe_original__ = original
+    return _select_forward
+
+
+# ---------------------------------------------------------------------------------------------
 # Installation
 # ---------------------------------------------------------------------------------------------
 
@@ -251,6 +286,7 @@ _TARGETS = (
     (CPU_MOE_MODULE, CPU_MOE_CLASS, "apply"),
     (CPU_COMM_MODULE, CPU_COMM_CLASS, "all_gatherv"),
     (CPU_COMM_MODULE, CPU_COMM_CLASS, "reduce_scatterv"),
+    (MOE_RUNNER_MODULE, MOE_RUNNER_CLASS, "_select_forward"),
 )
 
 
@@ -297,18 +333,20 @@ def apply_cpu_fixes() -> None:
                 "vllm_semmoe/vllm_adapter/cpu_fixes.py for this vLLM build.")
         resolved[target] = klass
 
-    experts = resolved[_TARGETS[0]]
-    if not hasattr(experts.__dict__.get("apply"), PATCH_MARKER):
-        if "apply" not in experts.__dict__:
-            raise RuntimeError(f"semmoe CPU fixes for vLLM {version}: "
-                               f"{CPU_MOE_MODULE}.{CPU_MOE_CLASS} no longer defines apply itself")
-        experts.apply = _make_ep_apply(experts.__dict__["apply"])
-
-    comm = resolved[_TARGETS[1]]
-    if not hasattr(comm.__dict__.get("all_gatherv"), PATCH_MARKER):
-        comm.all_gatherv = _cpu_all_gatherv
-    if not hasattr(comm.__dict__.get("reduce_scatterv"), PATCH_MARKER):
-        comm.reduce_scatterv = _cpu_reduce_scatterv
+    for (_, _, attr), klass in resolved.items():
+        if hasattr(klass.__dict__.get(attr), PATCH_MARKER):
+            continue  # installed already
+        if attr in ("apply", "_select_forward") and attr not in klass.__dict__:
+            raise RuntimeError(f"semmoe CPU fixes for vLLM {version}: {klass.__module__}.{klass.__name__} "
+                               f"no longer defines {attr} itself")
+        if attr == "apply":
+            klass.apply = _make_ep_apply(klass.__dict__["apply"])
+        elif attr == "all_gatherv":
+            klass.all_gatherv = _cpu_all_gatherv
+        elif attr == "reduce_scatterv":
+            klass.reduce_scatterv = _cpu_reduce_scatterv
+        elif attr == "_select_forward":
+            klass._select_forward = _make_select_forward(klass.__dict__["_select_forward"])
 
     _APPLIED = True
     logger.debug("semmoe CPU fixes applied for vLLM %s: %s.%s.apply honours expert_map; "
@@ -322,7 +360,7 @@ def fixes_active(_worker: Any = None) -> dict[str, bool]:
     The ignored argument lets it be passed to ``LLM.collective_rpc``, which calls it with the
     worker, to ask each worker process.
     """
-    out = {"expert_map": False, "all_gatherv": False, "reduce_scatterv": False}
+    out = {"expert_map": False, "all_gatherv": False, "reduce_scatterv": False, "dp_opaque_moe": False}
     try:
         moe = importlib.import_module(CPU_MOE_MODULE)
         out["expert_map"] = hasattr(
@@ -330,6 +368,8 @@ def fixes_active(_worker: Any = None) -> dict[str, bool]:
         comm = getattr(importlib.import_module(CPU_COMM_MODULE), CPU_COMM_CLASS)
         out["all_gatherv"] = hasattr(comm.__dict__.get("all_gatherv"), PATCH_MARKER)
         out["reduce_scatterv"] = hasattr(comm.__dict__.get("reduce_scatterv"), PATCH_MARKER)
+        runner = getattr(importlib.import_module(MOE_RUNNER_MODULE), MOE_RUNNER_CLASS)
+        out["dp_opaque_moe"] = hasattr(runner.__dict__.get("_select_forward"), PATCH_MARKER)
     except Exception:  # pragma: no cover - diagnostics only
         pass
     return out

@@ -15,12 +15,13 @@ def cpu_defaults() -> None:
 
 
 def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype: str = "bfloat16",
-             in_process: bool = True, **kwargs):
+             in_process: bool = True, enforce_eager: bool = True, **kwargs):
     """An ``LLM`` with the plugin configured by ``semmoe`` (``None``: plugin inactive).
 
     ``in_process`` runs engine and worker in this process (fast start, and ``collective_rpc``
     with a local function reaches the worker). Prefix caching is off so every prompt token is
-    computed — and so captured.
+    computed — and so captured. ``enforce_eager`` (default here: these are short offline jobs,
+    and compiling costs about a minute on CPU) can be turned off: the plugin works compiled.
     """
     from vllm import LLM
 
@@ -32,7 +33,7 @@ def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype
         model=model,
         dtype=dtype,
         max_model_len=max_model_len,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         enable_prefix_caching=False,
         additional_config={"semmoe": semmoe} if semmoe else {},
         **kwargs,

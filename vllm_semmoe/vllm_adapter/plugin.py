@@ -2,44 +2,44 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), so
 it is idempotent and changes no model unless ``additional_config={"semmoe": {...}}`` is set.
-It first checks that this vLLM has every internal the plugin hooks; on a mismatch it fails
-loudly, naming what is missing (exclude the plugin with ``VLLM_PLUGINS`` to run without it).
+It first checks that this vLLM has every internal the plugin uses (:mod:`.compat`); on a
+mismatch it fails loudly, naming what is missing (exclude the plugin with ``VLLM_PLUGINS`` to
+run without it; ``semmoe doctor`` prints the full check).
 
 Hooks (all pass through untouched when ``semmoe`` is not configured):
 
-- ``EngineArgs.create_engine_config``: validate the settings and tables at engine start;
-- ``BaseModelLoader.create_model``: install the placement before weights load;
-- ``GPUModelRunner._model_forward`` (the CPU runner inherits it): feed the routing recorder
-  from real forward steps only;
+- ``EngineArgs.create_engine_config``: validate the settings, tables, parallel layout and
+  compilation settings at engine start (:func:`check_engine_config`);
+- ``BaseModelLoader.create_model``: install the placement before weights load and create the
+  engine's :class:`~.state.SemMoEState` (recorder, TP-shuffle layers) (:func:`build_state`);
+- ``GPUModelRunner._model_forward`` (the CPU runner inherits it): open the step context of
+  real forward steps (warm-up and profiling runs do not come through here);
+- ``GPUModelRunner.shutdown``: write the capture;
 - ``DPLBAsyncMPClient.get_core_engine_for_request``: in ``dp`` mode, pick each request's DP
   rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins).
+
+What runs inside the compiled model does so through the custom ops of :mod:`.ops`.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import importlib
 import json
 import logging
 import os
 import warnings
+import weakref
+
+from . import compat
+from .state import SemMoEState, register_state, state_of
 
 # a child of vLLM's logger, so messages show with vLLM's format and level
 logger = logging.getLogger("vllm.semmoe")
 
-SUPPORTED_VLLM = ("0.32.",)
-#: (module, attribute path) of every vLLM internal the plugin touches
-REQUIRED_INTERNALS = (
-    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config"),
-    ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader.create_model"),
-    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner.forward"),
-    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.shutdown"),
-    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient.get_core_engine_for_request"),
-)
+#: every vLLM internal the plugin touches (see :mod:`.compat`)
+REQUIRED_INTERNALS = compat.INTERNALS
+check_vllm = compat.check_vllm
 
 _REGISTERED = False
 
@@ -49,11 +49,12 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    check_vllm()
-    from . import cpu_fixes
+    compat.check_vllm()
+    from . import cpu_fixes, ops
 
     cpu_fixes.apply_cpu_fixes()
     _fix_triton_rebind_scan()
+    ops.register_ops()
     _patch_engine_args()
     _patch_model_loader()
     _patch_model_runner()
@@ -61,38 +62,12 @@ def register() -> None:
     _REGISTERED = True
 
 
-def check_vllm() -> None:
-    """Raise ``RuntimeError`` naming the vLLM version or internals this plugin cannot work with."""
-    import vllm
-
-    missing = []
-    for module_name, path in REQUIRED_INTERNALS:
-        try:
-            obj = importlib.import_module(module_name)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError):
-            missing.append(f"{module_name}.{path}")
-    if missing or not vllm.__version__.startswith(SUPPORTED_VLLM):
-        raise RuntimeError(
-            f"vllm-semmoe supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is vLLM "
-            f"{vllm.__version__}" + (f", which lacks {', '.join(missing)}" if missing else "")
-            + ". Install a supported vLLM, or exclude the plugin with VLLM_PLUGINS (e.g. VLLM_PLUGINS=\"\")."
-        )
-
-
 def _fix_triton_rebind_scan() -> None:
-    """vLLM 0.32's Triton kernel re-binding scans every loaded module and calls ``vars(value)``
-    on its attributes; llvmlite's ctypes wrappers (loaded with Numba, which this plugin uses)
+    """vLLM's Triton kernel re-binding scans every loaded module and calls ``vars(value)`` on
+    its attributes; llvmlite's ctypes wrappers (loaded with Numba, which this plugin uses)
     answer ``__dict__`` with a non-dict and crash worker start-up. Give that scan a ``vars``
     that treats such objects as having no attributes.
     """
-    try:
-        from vllm.triton_utils import dispatcher
-    except ImportError:
-        return
-    if not hasattr(dispatcher, "_rebind_kernels"):
-        return
 
     def safe_vars(obj):
         with warnings.catch_warnings():  # deprecated module attributes warn when touched
@@ -100,7 +75,7 @@ def _fix_triton_rebind_scan() -> None:
             namespace = getattr(obj, "__dict__", None)
         return namespace if isinstance(namespace, dict) else {}
 
-    dispatcher.vars = safe_vars
+    compat.tolerate_foreign_vars(safe_vars)
 
 
 def _semmoe_config(vllm_config):
@@ -119,11 +94,69 @@ def _patch_engine_args() -> None:
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
         config = _semmoe_config(vllm_config)
-        if config is not None and config.tables is not None:
-            validate_against_model(config, vllm_config)
+        if config is not None:
+            check_engine_config(config, vllm_config)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
+
+
+def check_engine_config(config, vllm_config) -> None:
+    """Refuse, before any worker starts, what the plugin cannot serve; keep its ops outside
+    piecewise CUDA graphs."""
+    check_layout(config, vllm_config)
+    check_compilation(config, vllm_config)
+    if config.tables is not None:
+        validate_against_model(config, vllm_config)
+
+
+def check_layout(config, vllm_config) -> None:
+    """Raise :class:`SemMoEConfigError` for a parallel layout ``config.mode`` does not support.
+
+    Supported: any TP/DP/EP combination for ``placement-only`` and ``dp``; ``tp`` with DP 1
+    (the shuffle exchanges rows within the TP group, which is the EP group only when DP is 1).
+    Pipeline and context parallelism are not supported in any mode (each pipeline stage holds
+    only some MoE layers: placement tables, capture and shuffle are per whole model).
+    """
+    from .config import SemMoEConfigError
+
+    layout = compat.parallel_layout(vllm_config)
+    if layout["pp"] > 1:
+        raise SemMoEConfigError(
+            f"semmoe: pipeline parallelism (pipeline_parallel_size={layout['pp']}) is not supported: "
+            "tables, capture and the TP shuffle cover all MoE layers of one model replica. "
+            "Serve with tensor/data/expert parallelism only, or remove the semmoe settings.")
+    for key, flag in (("pcp", "prefill_context_parallel_size"), ("dcp", "decode_context_parallel_size")):
+        if layout[key] > 1:
+            raise SemMoEConfigError(f"semmoe: context parallelism ({flag}={layout[key]}) is not supported; "
+                                    "remove it or the semmoe settings.")
+    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"] and layout["dp"] > 1:
+        raise SemMoEConfigError(
+            f"semmoe: mode 'tp' with data parallelism (TP {layout['tp']} x DP {layout['dp']} + EP) is not "
+            "supported: the token shuffle exchanges rows within a TP group, but the EP group spans "
+            "DP x TP. Use --data-parallel-size 1 with mode 'tp', or mode 'dp' for data-parallel serving.")
+
+
+def check_compilation(config, vllm_config) -> None:
+    """Compiled models run the plugin's per-step work inside opaque ops (:mod:`.ops`); piecewise
+    CUDA graphs must split at them, full CUDA graphs cannot run them: refused."""
+    from .config import SemMoEConfigError
+    from .ops import CAPTURE_SPLITTING_OPS, SPLITTING_OPS
+
+    if not (config.records or config.mode == "tp"):
+        return  # placement only: nothing runs per step
+    settings = compat.compilation(vllm_config)
+    graphs = settings["cudagraphs"]
+    if settings["enforce_eager"] or graphs in ("NONE", "None"):
+        return
+    if "FULL" in graphs:
+        raise SemMoEConfigError(
+            f"semmoe: routing capture and mode {config.mode!r} run Python on every step, which full CUDA "
+            f"graphs (cudagraph_mode={graphs}) cannot replay. Serve with "
+            "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (the plugin's ops then run "
+            "between graph pieces, like attention) or --enforce-eager.")
+    compat.keep_ops_outside_graphs(vllm_config, list(SPLITTING_OPS + CAPTURE_SPLITTING_OPS))
+    logger.info("semmoe: %s kept outside the piecewise CUDA graphs", ", ".join(SPLITTING_OPS + CAPTURE_SPLITTING_OPS))
 
 
 def validate_against_model(config, vllm_config) -> None:
@@ -142,7 +175,7 @@ def validate_against_model(config, vllm_config) -> None:
                        ep_size=expert_parallel_size(vllm_config.parallel_config))
 
 
-# ---- model build: placement -------------------------------------------------------------------
+# ---- model build: placement, engine state -----------------------------------------------------
 def _patch_model_loader() -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -152,192 +185,109 @@ def _patch_model_loader() -> None:
     def create_model(self, vllm_config, model_config, prefix: str = ""):
         model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         config = _semmoe_config(vllm_config)
-        if config is not None and config.tables is not None:
-            from .config import expert_parallel_size
-            from .replacement import install_placement, moe_runners
-
-            runners = moe_runners(model)
-            tables = config.load_tables(
-                num_layers=len(runners),
-                num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
-                ep_size=expert_parallel_size(vllm_config.parallel_config),
-            )
-            install_placement(runners, tables.placement)
-            model._semmoe_tables = tables
-            parallel = vllm_config.parallel_config
-            if config.mode == "tp" and parallel.tensor_parallel_size > 1 and parallel.enable_expert_parallel:
-                from .tp_shuffle import TpShuffleLayer
-
-                for index, runner in enumerate(runners):
-                    runner._semmoe_tp = TpShuffleLayer(index, tables)
-                fuse_decoder_layers(model)
-            logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
-                        tables.placement.method, tables.ep_size, len(runners))
+        if config is not None:
+            build_state(model, config, vllm_config)
         return model
 
     BaseModelLoader.create_model = create_model
 
 
-# ---- model runner: capture ---------------------------------------------------------------------
-def _patch_model_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def build_state(model, config, vllm_config) -> SemMoEState:
+    """Create the engine's state for a freshly built ``model`` (weights not loaded yet): install
+    the placement, the routing recorder and the TP shuffle, and register the state under the
+    model and its MoE layers."""
+    from .config import expert_parallel_size
+    from .replacement import install_placement, moe_runners
 
-    model_forward = GPUModelRunner._model_forward
+    runners = moe_runners(model)
+    layout = compat.parallel_layout(vllm_config)
+    ep_size = expert_parallel_size(vllm_config.parallel_config)
+    state = SemMoEState(config=config, parallel=(layout["tp"], layout["dp"], layout["dp_rank"], ep_size))
+    register_state(model, state)
+    for runner in runners:
+        register_state(runner, state)
+    if config.tables is not None:
+        state.tables = config.load_tables(
+            num_layers=len(runners),
+            num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
+            ep_size=ep_size)
+        install_placement(runners, state.tables.placement)
+        logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
+                    state.tables.placement.method, state.tables.ep_size, len(runners))
+    if config.records:
+        state.recorder = make_recorder(runners, vllm_config, config, state)
+    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"]:
+        from . import ops
+        from .tp_shuffle import TpShuffleLayer
 
-    @functools.wraps(model_forward)
-    def patched_model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        # Only real engine steps come through here (warm-up and profiling runs call the model
-        # directly), so the recorder is attached on the first one and sees nothing else.
-        recorder = self.__dict__.get("_semmoe_recorder", _UNSET)
-        if recorder is _UNSET:
-            config = _semmoe_config(self.vllm_config)
-            recorder = attach_recorder(self, config) if config is not None and config.records else None
-            self._semmoe_recorder = recorder
-        if recorder is None:
-            return model_forward(self, input_ids, positions, *args, **kwargs)
-        recorder.begin_forward(self, input_ids, positions)
-        from . import tp_shuffle  # lazy: imports Triton/Numba, only needed in engines that record
-
-        if recorder._current is not None and recorder.shuffle_tables is not None:
-            tp_shuffle.STEP = tp_shuffle.StepContext(recorder._current["token"], recorder.shuffle_tables, recorder)
-        try:
-            output = model_forward(self, input_ids, positions, *args, **kwargs)
-        finally:
-            tp_shuffle.STEP = None
-        recorder.end_forward()
-        return output
-
-    GPUModelRunner._model_forward = patched_model_forward
-
-    shutdown = GPUModelRunner.shutdown
-
-    @functools.wraps(shutdown)
-    def patched_shutdown(self, *args, **kwargs):
-        # Engines in worker processes end here on SIGTERM (atexit does not run there).
-        if self.__dict__.get("_semmoe_recorder") is not None:
-            try:
-                flush_capture(self)
-            except Exception:  # never block vLLM's shutdown
-                logger.exception("semmoe: could not write the routing capture")
-        return shutdown(self, *args, **kwargs)
-
-    GPUModelRunner.shutdown = patched_shutdown
-
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-    moe_forward = MoERunner.forward
-
-    @functools.wraps(moe_forward)
-    def patched_moe_forward(self, hidden_states, router_logits, *args, **kwargs):
-        from . import tp_shuffle
-
-        layer = self.__dict__.get("_semmoe_tp")
-        step = tp_shuffle.STEP
-        if layer is None or step is None or hidden_states.shape[0] != len(step.rows):
-            # not configured, a warm-up run, or a padded batch: vLLM's own path on every rank
-            return moe_forward(self, hidden_states, router_logits, *args, **kwargs)
-        return tp_shuffle.shuffled_moe_forward(self, layer, hidden_states, tp_shuffle.STEP)
-
-    MoERunner.forward = patched_moe_forward
+        for index, runner in enumerate(runners):
+            state.tp_layers[runner.layer_name] = TpShuffleLayer(index, state.tables)
+        fuse_decoder_layers(model, state)
+        for runner in runners:
+            if runner.layer_name not in state.fused:
+                ops.install_moe_op(runner, runner.layer_name)
+    if config.records:  # flush at interpreter exit too (holds the state weakly)
+        atexit.register(_flush_at_exit, weakref.ref(state))
+    return state
 
 
-_UNSET = object()
-
-
-def fuse_decoder_layers(model) -> int:
+def fuse_decoder_layers(model, state: SemMoEState) -> int:
     """Give Qwen3-MoE-style decoder layers (input/post-attention norms, row-parallel ``o_proj``,
     ``mlp.experts`` = a shuffled MoE layer) the fused SRS/SAG forward; returns how many.
     Other layers keep the MoE-boundary shuffle."""
-    from . import tp_shuffle
+    from . import ops
 
+    runner_class = compat.moe_runner_class()
     fused = 0
     for module in model.modules():
         mlp, attn = getattr(module, "mlp", None), getattr(module, "self_attn", None)
-        layer = getattr(getattr(mlp, "experts", None), "_semmoe_tp", None)
-        if layer is None or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "is_sequence_parallel", False) \
+        experts = getattr(mlp, "experts", None)
+        if not isinstance(experts, runner_class) or experts.layer_name not in state.tp_layers \
+                or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "is_sequence_parallel", False) \
                 or not hasattr(attn, "o_proj") or not hasattr(module, "post_attention_layernorm"):
             continue
-        original = module.forward
-
-        def forward(positions, hidden_states, residual, *, _module=module, _layer=layer, _original=original):
-            step = tp_shuffle.STEP
-            if step is None or hidden_states.shape[0] != len(step.rows):
-                return _original(positions, hidden_states, residual)
-            return tp_shuffle.fused_decoder_forward(_module, _layer, positions, hidden_states, residual, step)
-
-        module.forward = forward
+        state.fused[experts.layer_name] = weakref.ref(module)
+        ops.install_decoder_op(module, experts.layer_name)
         fused += 1
     logger.info("semmoe: shuffled reduce-scatter/all-gather fused into %d decoder layers", fused)
     return fused
 
 
-# ---- API server: DP rank choice -----------------------------------------------------------------
-def _patch_dp_router() -> None:
-    from vllm.v1.engine.core_client import DPLBAsyncMPClient
-
-    original = DPLBAsyncMPClient.get_core_engine_for_request
-
-    @functools.wraps(original)
-    def get_core_engine_for_request(self, request):
-        router = self.__dict__.get("_semmoe_router", _UNSET)
-        if router is _UNSET:
-            router = self._semmoe_router = make_dp_router(self.vllm_config, len(self.core_engines))
-        if (router is not None and request.data_parallel_rank is None and request.prompt_token_ids
-                and request.request_id not in self.reqs_in_flight):
-            scores = [max(self.client_count * self.engine_inflight[engine], waiting + running)
-                      for engine, (waiting, running, *_) in zip(self.core_engines, self.lb_engines)]
-            request.data_parallel_rank = router.choose(request.prompt_token_ids, scores)
-        return original(self, request)
-
-    DPLBAsyncMPClient.get_core_engine_for_request = get_core_engine_for_request
-
-
-def make_dp_router(vllm_config, num_ranks: int):
-    """A :class:`DpRouter` when ``semmoe`` is configured in ``dp`` mode, else ``None``."""
-    config = _semmoe_config(vllm_config)
-    if config is None or config.mode != "dp":
-        return None
-    from ..tables import load_tables
-    from .dp_routing import DpRouter
-
-    router = DpRouter(load_tables(config.tables), num_ranks, slack=config.dp_slack,
-                      price_step=config.dp_price_step)
-    logger.info("semmoe: Sem-MoE DP routing over %d ranks (guard slack %.1f)", num_ranks, config.dp_slack)
-    return router
-
-
-def attach_recorder(runner, config):
-    """Give ``runner`` a :class:`RoutingRecorder` fed by every MoE layer's capture hook."""
+def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
+    """A :class:`RoutingRecorder` fed by every MoE layer's capture hook."""
     from .capture import RoutingRecorder
-    from .replacement import moe_runners
 
-    model = runner.get_model()
-    layers = moe_runners(model)
-    tables = getattr(model, "_semmoe_tables", None)
-    hf = runner.model_config.hf_text_config
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    tables = state.tables
     recorder = RoutingRecorder(
-        num_layers=len(layers),
-        num_experts=int(layers[0].routed_experts.global_num_experts),
+        num_layers=len(runners),
+        num_experts=int(runners[0].routed_experts.global_num_experts),
         top_k=int(getattr(hf, "num_experts_per_tok")),
         placement=tables.placement if tables is not None else None,
-        vocab=_vocab(runner.model_config),
-        vocab_size=int(runner.model_config.get_vocab_size()),
+        vocab=_vocab(model_config),
+        vocab_size=int(model_config.get_vocab_size()),
     )
-    for index, layer in enumerate(layers):
-        layer.router.set_capture_fn(functools.partial(recorder.on_layer, index))
-    parallel = runner.vllm_config.parallel_config
+    dp_rank = state.parallel[2]
+    for index, runner in enumerate(runners):
+        runner.router.set_capture_fn(functools.partial(_capture_hook, recorder, dp_rank, index))
+        # the router (and its hook) must run on every step, also in a compiled model
+        compat.use_opaque_moe_op(runner)
+    parallel = vllm_config.parallel_config
     if parallel.data_parallel_size > 1 and tables is not None and config.capture is not None:
         from .capture import DpLiveCounters
 
         recorder.dp_counters = DpLiveCounters(
             dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
             parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
-    runner._semmoe_config = config
-    recorder.config_mode = config.mode
-    # tables for the TP shuffle, when this engine runs it (set at model build)
-    recorder.shuffle_tables = tables if any(getattr(l, "_semmoe_tp", None) for l in layers) else None
-    atexit.register(flush_capture, runner)
     return recorder
+
+
+def _capture_hook(recorder, dp_rank: int, layer: int, topk_ids) -> None:
+    """Feed ``recorder`` this engine's rows of a MoE layer's expert ids (under data
+    parallelism the layer sees the tokens of every DP rank, rank-major)."""
+    offset = compat.dp_rows_offset(dp_rank, int(topk_ids.shape[0]))
+    recorder.on_layer(layer, topk_ids[offset:] if offset else topk_ids)
 
 
 def _vocab(model_config) -> list[str]:
@@ -350,6 +300,72 @@ def _vocab(model_config) -> list[str]:
     except Exception as exc:  # the trace is still valid without token strings
         logger.warning("semmoe: no vocabulary for the capture (%s)", exc)
         return []
+
+
+# ---- model runner: real steps, capture --------------------------------------------------------
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    model_forward = GPUModelRunner._model_forward
+
+    @functools.wraps(model_forward)
+    def patched_model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        # Only real engine steps come through here (warm-up and profiling runs call the model
+        # directly), so the recorder and the TP shuffle see nothing else.
+        state = _runner_state(self)
+        if state is None or state.recorder is None:
+            return model_forward(self, input_ids, positions, *args, **kwargs)
+        begin_step(self, state, input_ids, positions)
+        try:
+            output = model_forward(self, input_ids, positions, *args, **kwargs)
+        except BaseException:
+            state.recorder.abort_forward()
+            raise
+        finally:
+            state.end_step()
+        state.recorder.end_forward()
+        return output
+
+    GPUModelRunner._model_forward = patched_model_forward
+
+    shutdown = GPUModelRunner.shutdown
+
+    @functools.wraps(shutdown)
+    def patched_shutdown(self, *args, **kwargs):
+        # Engines in worker processes end here on SIGTERM (atexit does not run there).
+        state = _runner_state(self)
+        if state is not None and state.recorder is not None:
+            try:
+                flush_state(state)
+            except Exception:  # never block vLLM's shutdown
+                logger.exception("semmoe: could not write the routing capture")
+        return shutdown(self, *args, **kwargs)
+
+    GPUModelRunner.shutdown = patched_shutdown
+
+
+def _runner_state(runner) -> SemMoEState | None:
+    try:
+        return state_of(runner.get_model())
+    except (ValueError, AttributeError):  # no model (yet, or any more)
+        return None
+
+
+def begin_step(runner, state: SemMoEState, input_ids, positions) -> None:
+    """Open the step: the recorder's rows (requests, tokens, positions) and the TP-shuffle
+    step context."""
+    import torch
+
+    req_ids, num_prompt, bounds = compat.step_batch(runner)
+    n = int(bounds[-1])
+    if input_ids is None or n == 0:
+        state.recorder.begin_forward(req_ids, num_prompt, bounds, None, None)
+        state.begin_step(None)
+        return
+    tokens = input_ids[:n].detach().to("cpu", torch.int64).numpy().copy()
+    pos = positions[:n].detach().to("cpu", torch.int64).numpy().copy()
+    state.recorder.begin_forward(req_ids, num_prompt, bounds, tokens, pos)
+    state.begin_step(tokens)
 
 
 def dp_capture_path(path: str, parallel_config) -> str:
@@ -366,32 +382,76 @@ def flush_capture(runner_or_worker) -> dict:
     Accepts a model runner or a vLLM worker, so ``LLM.collective_rpc(flush_capture)`` works.
     """
     runner = getattr(runner_or_worker, "model_runner", runner_or_worker)
-    recorder = getattr(runner, "_semmoe_recorder", None)
-    config = getattr(runner, "_semmoe_config", None)
+    state = _runner_state(runner)
+    return flush_state(state) if state is not None else {}
+
+
+def flush_state(state: SemMoEState) -> dict:
+    """Write ``state``'s capture and return its summary (steps, live LAR, TP-shuffle counters)."""
+    recorder, config = state.recorder, state.config
     if recorder is None or recorder.num_steps == 0:
         return {}
-    if getattr(recorder, "flushed_steps", None) == recorder.num_steps:
-        return recorder.flushed_summary  # nothing new since the last flush
-    from vllm.distributed import parallel_state
+    if state.flushed_steps == recorder.num_steps:
+        return state.flushed_summary  # nothing new since the last flush
+    from types import SimpleNamespace
 
     from .capture import live_lar
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    dp = runner.vllm_config.parallel_config
-    summary = {"steps": recorder.num_steps, "dp_rank": dp.data_parallel_rank}
-    tables = getattr(runner.get_model(), "_semmoe_tables", None)
-    if getattr(recorder, "config_mode", None) == "tp":
-        from .tp_shuffle import TpShuffleLayer
-
-        if TpShuffleLayer.counters["layers_run"]:
-            summary["tp_shuffle"] = dict(TpShuffleLayer.counters)
-    if tables is not None:
-        summary["live"] = live_lar(recorder, tables, dp_rank=dp.data_parallel_rank, dp_size=dp.data_parallel_size)
-    if tp_rank == 0 and config.capture is not None:
-        path = dp_capture_path(config.capture, dp)
+    tp_size, dp_size, dp_rank, _ = state.parallel
+    summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
+    if state.counters["layers_run"]:
+        summary["tp_shuffle"] = dict(state.counters)
+    if state.tables is not None:
+        summary["live"] = live_lar(recorder, state.tables, dp_rank=dp_rank, dp_size=dp_size)
+    if compat.tp_rank() == 0 and config.capture is not None:
+        path = dp_capture_path(config.capture, SimpleNamespace(data_parallel_size=dp_size, data_parallel_rank=dp_rank))
         recorder.trace().save(path)
         with open(path + ".json", "w") as f:
             json.dump(summary, f, indent=2)
         summary["path"] = path
-    recorder.flushed_steps, recorder.flushed_summary = recorder.num_steps, summary
+    state.flushed_steps, state.flushed_summary = recorder.num_steps, summary
     return summary
+
+
+def _flush_at_exit(state_ref) -> None:
+    state = state_ref()
+    if state is not None:
+        try:
+            flush_state(state)
+        except Exception:
+            logger.exception("semmoe: could not write the routing capture at exit")
+
+
+# ---- API server: DP rank choice -----------------------------------------------------------------
+def _patch_dp_router() -> None:
+    client_class = compat.dp_client_class()
+    original = client_class.get_core_engine_for_request
+
+    @functools.wraps(original)
+    def get_core_engine_for_request(self, request):
+        state = state_of(self)
+        if state is None:
+            state = SemMoEState(config=_semmoe_config(self.vllm_config), parallel=(0, 0, 0, 0))
+            state.dp_router = make_dp_router(self.vllm_config, compat.dp_num_ranks(self))
+            register_state(self, state)
+        router = state.dp_router
+        if (router is not None and request.data_parallel_rank is None and request.prompt_token_ids
+                and not compat.dp_request_placed(self, request)):
+            request.data_parallel_rank = router.choose(request.prompt_token_ids, compat.dp_queue_scores(self))
+        return original(self, request)
+
+    client_class.get_core_engine_for_request = get_core_engine_for_request
+
+
+def make_dp_router(vllm_config, num_ranks: int):
+    """A :class:`DpRouter` when ``semmoe`` is configured in ``dp`` mode, else ``None``."""
+    config = _semmoe_config(vllm_config)
+    if config is None or config.mode != "dp":
+        return None
+    from ..tables import load_tables
+    from .dp_routing import DpRouter
+
+    router = DpRouter(load_tables(config.tables), num_ranks, slack=config.dp_slack,
+                      price_step=config.dp_price_step)
+    logger.info("semmoe: Sem-MoE DP routing over %d ranks (guard slack %.1f)", num_ranks, config.dp_slack)
+    return router

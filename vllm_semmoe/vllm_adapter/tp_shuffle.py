@@ -29,24 +29,13 @@ from csrc_triton import sag_unpack, srs_pack
 from .. import scheduling
 from ..tables import SemMoETables
 
-#: set by the model-runner hook for the duration of one real forward step
-STEP: "StepContext | None" = None
-
-
-class StepContext:
-    """What the MoE layers of one forward step share: token rows and the routing so far."""
-
-    def __init__(self, tokens: np.ndarray, tables: SemMoETables, recorder):
-        self.rows = tables.token_rows(tokens)
-        self.major: dict[int, np.ndarray] = {}  # layer -> [B] device holding most experts
-        self.recorder = recorder
+from . import compat
+from .state import StepContext  # noqa: F401  (the step context the hooks pass in)
 
 
 class TpShuffleLayer:
-    """Per-MoE-layer state: its index, the tables, and byte/activation counters."""
-
-    counters = {"dispatch_bytes": 0, "combine_bytes": 0, "local_activations": 0,
-                "remote_activations": 0, "tokens": 0, "layers_run": 0, "fused_layers_run": 0}
+    """Per-MoE-layer state: its index and the tables (counters live in the engine's state and
+    reach the layer through the step context)."""
 
     def __init__(self, layer: int, tables: SemMoETables):
         self.layer = layer
@@ -73,9 +62,7 @@ class TpShuffleLayer:
 def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Tensor, step: StepContext):
     """MoE-boundary variant (any model): take this rank's slice of the replicated input, run
     :func:`moe_on_slice`, and restore ``[B, H]`` with the shuffled all-gather."""
-    from vllm.distributed.parallel_state import get_ep_group
-
-    group = get_ep_group()
+    group = compat.ep_group()
     B = hidden_states.shape[0]
     slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
     mine_slots = slot_token[group.rank_in_group * cap : (group.rank_in_group + 1) * cap]
@@ -95,20 +82,14 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
     shuffled all-gather returns MoE output and residual to every rank in token order. This
     replaces vLLM's two all-reduces (attention output, MoE output).
     """
-    from vllm.distributed.parallel_state import get_ep_group, get_tp_group
-
-    group, tp = get_ep_group(), get_tp_group()
+    group, tp = compat.ep_group(), compat.tp_group()
     if residual is None:
         residual = hidden_states
         hidden = decoder.input_layernorm(hidden_states)
     else:
         hidden, residual = decoder.input_layernorm(hidden_states, residual)
-    o_proj = decoder.self_attn.o_proj
-    o_proj.reduce_results = False
-    try:
+    with compat.unreduced(decoder.self_attn.o_proj):
         partial = decoder.self_attn(positions=positions, hidden_states=hidden)
-    finally:
-        o_proj.reduce_results = True
     B = partial.shape[0]
     slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
     rank = group.rank_in_group
@@ -120,7 +101,7 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
     residual_my = srs_pack(residual, torch.from_numpy(mine_slots.copy()).to(device))[:count]
     hidden_my, residual_my = decoder.post_attention_layernorm(reduced, residual_my)
     out_my = moe_on_slice(decoder.mlp.experts, layer, hidden_my, step, cap, token_slot, group)
-    TpShuffleLayer.counters["fused_layers_run"] += 1
+    step.counters["fused_layers_run"] += 1
     inverse = torch.from_numpy(token_slot).to(device)
     out = sag_unpack(_all_gather_slices(out_my, cap, group), inverse)
     residual = sag_unpack(_all_gather_slices(residual_my, cap, group), inverse)
@@ -138,14 +119,8 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     H = x_my.shape[1]
 
     # the real gate on this rank's slice (capture is fed below, for all tokens, in token order)
-    capture, runner.router.capture_fn = runner.router.capture_fn, None
-    try:
-        logits, _ = runner.gate(x_my)
-        weights, ids = runner.router.select_experts(
-            hidden_states=x_my, router_logits=logits,
-            topk_indices_dtype=runner._quant_method.topk_indices_dtype)
-    finally:
-        runner.router.capture_fn = capture
+    logits, _ = runner.gate(x_my)
+    weights, ids = compat.select_experts(runner, x_my, logits)
     dest = (ids.long() // n_local).cpu().numpy()  # [m, K] rank holding each chosen expert
     device = x_my.device
 
@@ -162,8 +137,8 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     recv_w = _exchange(weights.index_select(0, order).float(), recvs, sends, group)
 
     # experts: this rank's experts for its own tokens and for the rows it received
-    local_out = experts.forward_modular(x_my, weights, ids)
-    remote_out = experts.forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
+    local_out = compat.experts_forward(experts, x_my, weights, ids)
+    remote_out = compat.experts_forward(experts, recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
         if recv_x.shape[0] else recv_x
     back = _exchange(remote_out, sends, recvs, group)  # combine: partial sums home
     out_my = local_out.index_add(0, order, back) if order.numel() else local_out
@@ -172,7 +147,7 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
         0, torch.from_numpy(token_slot).to(device)).cpu()
     local = int((dest == rank).sum())
     row_bytes = H * x_my.element_size()
-    counters = TpShuffleLayer.counters
+    counters = step.counters
     counters["dispatch_bytes"] += sum(sends) * row_bytes
     counters["combine_bytes"] += sum(recvs) * row_bytes
     counters["local_activations"] += local

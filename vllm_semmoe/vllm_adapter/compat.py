@@ -1,0 +1,464 @@
+"""Every vLLM internal the adapter reaches, in one place (vLLM 0.32.x and 0.33.x).
+
+:data:`INTERNALS` lists them: where each lives, what kind of thing it is, the call signature
+the adapter relies on, and what needs it. Three things read that list:
+
+- :func:`check_vllm` at plugin start-up (live: import, ``getattr``, ``inspect.signature``);
+- ``semmoe doctor`` (:mod:`.doctor`), which checks an installed vLLM or a vLLM *source* (an
+  unpacked tree or a wheel read as a zip) by parsing it with :mod:`ast`, without importing it;
+- the accessors below, the only code in the adapter that touches these names.
+
+Per-version differences are kept here and nowhere else (see :func:`dp_queue_scores`).
+Model-structure attributes of the decoder layers the TP shuffle fuses (``input_layernorm``,
+``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp.experts``) belong to the model
+architecture, not to vLLM's internals; the shuffle checks them per layer when it installs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from dataclasses import dataclass
+
+#: vLLM (major, minor) versions this adapter supports
+SUPPORTED_VERSIONS = ((0, 32), (0, 33))
+
+_MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_CORE_CLIENT = "vllm.v1.engine.core_client"
+_PARALLEL = "vllm.distributed.parallel_state"
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One vLLM internal.
+
+    Attributes:
+        module: dotted module name; qualname: ``Class.member`` or a module-level name.
+        kind: ``function`` (a def; ``params`` are its leading parameter names, in order),
+            ``attribute`` (set on instances as ``self.<name> = ...``, a class field or a
+            property; ``params`` empty).
+        params: the parameter names the adapter passes or receives, in order.
+        needed_by: the features that use it (``all``, ``capture``, ``tp``, ``dp``, ``cpu``).
+        why: what the adapter does with it.
+    """
+
+    module: str
+    qualname: str
+    kind: str
+    params: tuple[str, ...] = ()
+    needed_by: str = "all"
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+INTERNALS: tuple[Internal, ...] = (
+    # engine start: validate settings, refuse unsupported layouts
+    Internal("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "function", ("self",),
+             why="hooked: validate the semmoe settings and layout at engine start"),
+    Internal("vllm.config.compilation", "CompilationConfig.mode", "attribute",
+             why="compilation mode (refuse what the plugin cannot serve)"),
+    Internal("vllm.config.compilation", "CompilationConfig.cudagraph_mode", "attribute",
+             why="CUDA-graph mode (refuse full graphs when hooks must run per step)"),
+    Internal("vllm.config.compilation", "CompilationConfig.splitting_ops", "attribute",
+             why="keep the plugin's ops outside piecewise CUDA graphs"),
+    Internal("vllm.config.parallel", "ParallelConfig.pipeline_parallel_size", "attribute",
+             why="refuse pipeline parallelism"),
+    Internal("vllm.config.parallel", "ParallelConfig.enable_expert_parallel", "attribute",
+             why="EP size"),
+    # model build: placement, TP shuffle installation
+    Internal("vllm.model_executor.model_loader.base_loader", "BaseModelLoader.create_model", "function",
+             ("self", "vllm_config", "model_config", "prefix"),
+             why="hooked: install the placement before weights load; create the engine state"),
+    Internal(_MOE_RUNNER, "MoERunner.forward", "function", ("self", "hidden_states", "router_logits"),
+             needed_by="tp", why="called eagerly inside the TP-shuffle op for padded / warm-up batches"),
+    Internal(_MOE_RUNNER, "MoERunner._forward_entry", "attribute", needed_by="capture",
+             why="switched to the opaque torch.ops.vllm.moe_forward so routing hooks run per step"),
+    Internal(_MOE_RUNNER, "_moe_forward", "function", (), needed_by="capture", why="registered by vLLM as torch.ops.vllm.moe_forward"),
+    Internal(_MOE_RUNNER, "_moe_forward_shared", "function", (), needed_by="capture", why="registered by vLLM as torch.ops.vllm.moe_forward_shared"),
+    Internal(_MOE_RUNNER, "MoERunner.shared_experts", "attribute", needed_by="capture",
+             why="which opaque MoE op (with or without shared experts)"),
+    Internal(_MOE_RUNNER, "MoERunner._select_forward", "function", ("self",), needed_by="cpu",
+             why="CPU fix: opaque MoE op under data parallelism, so compiled models gather per step"),
+    Internal(_MOE_RUNNER, "MoERunner.layer_name", "attribute", why="names the MoE layer in the plugin's ops"),
+    Internal(_MOE_RUNNER, "MoERunner.gate", "attribute", why="placement permutes the gate rows; TP shuffle gates its slice"),
+    Internal(_MOE_RUNNER, "MoERunner.router", "attribute", why="routing capture hook; TP shuffle selects experts"),
+    Internal(_MOE_RUNNER, "MoERunner.routed_experts", "attribute", why="expert weights, expert count"),
+    Internal(_MOE_RUNNER, "MoERunner._quant_method", "attribute", needed_by="tp",
+             why="topk_indices_dtype for select_experts"),
+    Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.topk_indices_dtype",
+             "attribute", needed_by="tp", why="dtype of the expert ids"),
+    Internal("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn", "function",
+             ("self", "capture_fn"), needed_by="capture", why="feeds the routing recorder"),
+    Internal("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.capture_fn", "attribute",
+             needed_by="tp", why="suspended while the TP shuffle gates a slice"),
+    Internal("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter.select_experts",
+             "function", ("self", "hidden_states", "router_logits"), needed_by="tp",
+             why="expert choice on this rank's slice"),
+    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.forward_modular", "function",
+             ("self", "x", "topk_weights", "topk_ids"), needed_by="tp",
+             why="this rank's experts on its own and received rows"),
+    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.global_num_experts",
+             "attribute", why="expert count"),
+    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.w13_weight", "attribute",
+             why="placement: expert weight loader"),
+    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.w2_weight", "attribute",
+             why="placement: expert weight loader"),
+    Internal("vllm.model_executor.layers.linear", "RowParallelLinear.reduce_results", "attribute", needed_by="tp",
+             why="attention output left unreduced for the shuffled reduce-scatter"),
+    # model runner: real forward steps, capture, flush
+    Internal(_RUNNER, "GPUModelRunner._model_forward", "function", ("self", "input_ids", "positions"),
+             needed_by="capture", why="hooked: open/close the step context around real steps"),
+    Internal(_RUNNER, "GPUModelRunner.get_model", "function", ("self",), why="the engine's model (its state key)"),
+    Internal(_RUNNER, "GPUModelRunner.shutdown", "function", ("self",), needed_by="capture",
+             why="hooked: write the capture when the engine stops"),
+    Internal(_RUNNER, "GPUModelRunner.input_batch", "attribute", needed_by="capture",
+             why="request ids and prompt lengths of the step"),
+    Internal(_RUNNER, "GPUModelRunner.query_start_loc", "attribute", needed_by="capture",
+             why="token bounds of each request in the step"),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "attribute", needed_by="capture",
+             why="request ids"),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "attribute", needed_by="capture",
+             why="requests in the step"),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_prompt_tokens", "attribute", needed_by="capture",
+             why="prompt length (prefill/decode marking)"),
+    Internal("vllm.forward_context", "get_forward_context", "function", (),
+             why="the per-step context the plugin's ops read the engine state from"),
+    Internal("vllm.forward_context", "is_forward_context_available", "function", (),
+             why="outside a forward pass there is no context"),
+    Internal("vllm.forward_context", "ForwardContext.no_compile_layers", "attribute",
+             why="MoE layer by name inside the plugin's ops"),
+    Internal("vllm.forward_context", "ForwardContext.dp_metadata", "attribute", needed_by="capture",
+             why="where this DP rank's tokens start in a gathered MoE batch"),
+    Internal("vllm.forward_context", "DPMetadata.num_tokens_across_dp_cpu", "attribute", needed_by="capture",
+             why="tokens of each DP rank"),
+    Internal("vllm.forward_context", "DPMetadata.local_sizes", "attribute", needed_by="capture",
+             why="tokens of each DP rank in the current chunk"),
+    Internal("vllm.utils.torch_utils", "direct_register_custom_op", "function",
+             ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib", "dispatch_key"),
+             why="registers the plugin's opaque ops"),
+    # collectives
+    Internal(_PARALLEL, "get_ep_group", "function", (), needed_by="tp", why="EP group of the shuffle"),
+    Internal(_PARALLEL, "get_tp_group", "function", (), needed_by="tp", why="TP group (shuffled reduce-scatter)"),
+    Internal(_PARALLEL, "get_tensor_model_parallel_rank", "function", (), why="TP rank 0 writes the capture"),
+    Internal(_PARALLEL, "model_parallel_is_initialized", "function", (), why="TP rank when not distributed"),
+    Internal(_PARALLEL, "GroupCoordinator.reduce_scatterv", "function", ("self", "input_", "dim", "sizes"),
+             needed_by="tp", why="shuffled reduce-scatter"),
+    Internal(_PARALLEL, "GroupCoordinator.rank_in_group", "attribute", needed_by="tp", why="this rank"),
+    Internal(_PARALLEL, "GroupCoordinator.world_size", "attribute", needed_by="tp", why="group size"),
+    Internal(_PARALLEL, "GroupCoordinator.cpu_group", "attribute", needed_by="tp", why="gloo group for CPU tensors"),
+    Internal(_PARALLEL, "GroupCoordinator.device_group", "attribute", needed_by="tp", why="NCCL group"),
+    # API server: DP rank choice
+    Internal(_CORE_CLIENT, "DPLBAsyncMPClient.get_core_engine_for_request", "function", ("self", "request"),
+             needed_by="dp", why="hooked: choose the DP rank the Sem-MoE way"),
+    Internal(_CORE_CLIENT, "DPLBAsyncMPClient.client_count", "attribute", needed_by="dp", why="queue score"),
+    Internal(_CORE_CLIENT, "DPLBAsyncMPClient.engine_inflight", "attribute", needed_by="dp", why="queue score"),
+    Internal(_CORE_CLIENT, "DPLBAsyncMPClient.reqs_in_flight", "attribute", needed_by="dp",
+             why="requests already placed keep their rank"),
+    Internal(_CORE_CLIENT, "DPAsyncMPClient.lb_engines", "attribute", needed_by="dp",
+             why="waiting/running (and KV usage) per rank"),
+    Internal(_CORE_CLIENT, "MPClient.core_engines", "attribute", needed_by="dp", why="the DP ranks"),
+    Internal(_CORE_CLIENT, "MPClient.vllm_config", "attribute", needed_by="dp", why="the semmoe settings"),
+    # process-wide fixes
+    Internal("vllm.triton_utils.dispatcher", "_rebind_kernels", "function", (), needed_by="all",
+             why="its module-level vars() is given a version that tolerates llvmlite objects"),
+    Internal("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.apply", "function",
+             ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+              "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
+              "expert_tokens_meta", "apply_router_weight_on_input"), needed_by="cpu",
+             why="CPU fix: honour expert_map under expert parallelism"),
+    Internal("vllm.distributed.device_communicators.cpu_communicator", "CpuCommunicator.all_gatherv", "function",
+             ("self", "input_", "dim", "sizes"), needed_by="cpu", why="CPU fix: implemented for data parallelism"),
+    Internal("vllm.distributed.device_communicators.cpu_communicator", "CpuCommunicator.reduce_scatterv",
+             "function", ("self", "input_", "dim", "sizes"), needed_by="cpu", why="CPU fix: implemented for data parallelism"),
+)
+
+
+# ---- versions -------------------------------------------------------------------------------
+def major_minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def version_supported(version: str) -> bool:
+    return major_minor(version) in SUPPORTED_VERSIONS
+
+
+def supported_text() -> str:
+    return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERSIONS)
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+# ---- live check (start-up) ------------------------------------------------------------------
+def resolve(internal: Internal):
+    """The live object of a ``function`` internal (``AttributeError``/``ImportError`` if absent)."""
+    import importlib
+
+    obj = importlib.import_module(internal.module)
+    for part in internal.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def params_compatible(actual: list[str], expected: tuple[str, ...], has_var_positional: bool = False,
+                      required: int | None = None) -> bool:
+    """Whether a signature whose positional parameter names are ``actual`` (the first
+    ``required`` of them without a default) accepts the adapter's calls: ``expected`` must be
+    its leading parameters, in order (a ``*args`` takes the rest), and it may require no more."""
+    if len(actual) < len(expected):
+        return has_var_positional and list(actual) == list(expected[: len(actual)])
+    if required is not None and required > len(expected):
+        return False
+    return list(actual[: len(expected)]) == list(expected)
+
+
+def check_live(internal: Internal) -> str | None:
+    """``None`` when ``internal`` is usable in this process, else what is wrong."""
+    if internal.kind != "function":
+        return None  # attributes of instances are checked from source (semmoe doctor)
+    try:
+        obj = resolve(internal)
+    except (ImportError, AttributeError) as exc:
+        return f"missing ({type(exc).__name__})"
+    if not internal.params:
+        return None
+    target = getattr(obj, "__semmoe_original__", None) or inspect.unwrap(obj)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in positional]
+    required = sum(p.default is p.empty for p in positional)
+    var = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+    if not params_compatible(names, internal.params, var, required):
+        return f"signature ({', '.join(names)}) does not start with ({', '.join(internal.params)})"
+    return None
+
+
+def is_cpu_build(version: str) -> bool:
+    return "+cpu" in (version or "")
+
+
+def check_vllm() -> None:
+    """Raise ``RuntimeError`` naming the vLLM version or internals this adapter cannot work with."""
+    version = vllm_version()
+    cpu = is_cpu_build(version)
+    problems = [f"{i.name}: {why}" for i in INTERNALS
+                if (i.needed_by != "cpu" or cpu) and (why := check_live(i)) is not None]
+    if problems or not version_supported(version):
+        raise RuntimeError(
+            f"vllm-semmoe supports vLLM {supported_text()}; this is vLLM {version}"
+            + (f", where: {'; '.join(problems)}" if problems else "")
+            + ". Install a supported vLLM (`semmoe doctor` lists what is missing), or exclude the "
+              "plugin with VLLM_PLUGINS (e.g. VLLM_PLUGINS=\"\").")
+
+
+# ---- engine start ---------------------------------------------------------------------------
+def parallel_layout(vllm_config) -> dict:
+    p = vllm_config.parallel_config
+    return {"tp": int(p.tensor_parallel_size), "dp": int(p.data_parallel_size),
+            "pp": int(getattr(p, "pipeline_parallel_size", 1)),
+            "pcp": int(getattr(p, "prefill_context_parallel_size", 1)),
+            "dcp": int(getattr(p, "decode_context_parallel_size", 1)),
+            "ep": bool(getattr(p, "enable_expert_parallel", False)),
+            "dp_rank": int(getattr(p, "data_parallel_rank", 0) or 0)}
+
+
+def compilation(vllm_config) -> dict:
+    """``{"compiled": bool, "cudagraphs": "NONE" | "PIECEWISE" | "FULL..."}`` of this config."""
+    cc = vllm_config.compilation_config
+    mode = getattr(cc, "mode", None)
+    graphs = getattr(cc, "cudagraph_mode", None)
+    name = getattr(graphs, "name", str(graphs)) if graphs is not None else "NONE"
+    return {"compiled": bool(mode) and int(mode) != 0, "cudagraphs": name,
+            "enforce_eager": bool(getattr(vllm_config.model_config, "enforce_eager", False))}
+
+
+def keep_ops_outside_graphs(vllm_config, op_names: list[str]) -> None:
+    """Add ``op_names`` (``"ns::name"``) to the splitting ops, so piecewise CUDA graphs leave
+    them out and they run (with their Python) on every step, as vLLM does for attention."""
+    cc = vllm_config.compilation_config
+    if cc.splitting_ops is None:
+        cc.splitting_ops = []
+    for name in op_names:
+        if name not in cc.splitting_ops:
+            cc.splitting_ops.append(name)
+
+
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+# ---- custom ops -----------------------------------------------------------------------------
+def register_op(library, name: str, func, fake, mutates_args=()) -> None:
+    """Register ``library::name`` (a ``torch.library.Library``) the way vLLM registers its own."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(op_name=name, op_func=func, mutates_args=list(mutates_args),
+                              fake_impl=fake, target_lib=library)
+
+
+def use_opaque_moe_op(runner) -> None:
+    """Make ``runner`` call vLLM's opaque ``torch.ops.vllm.moe_forward`` (what CUDA vLLM always
+    does) instead of tracing ``_moe_forward`` into the compiled graph (vLLM's choice on CPU), so
+    the router's capture hook runs, in Python, on every step of a compiled model."""
+    import torch
+
+    shared = runner.shared_experts is not None
+    runner._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
+
+
+def moe_forward_eager(runner, hidden_states, router_logits):
+    """vLLM's own MoE layer forward (all-reduce included), run eagerly."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return MoERunner.forward(runner, hidden_states, router_logits)
+
+
+# ---- per-step context -----------------------------------------------------------------------
+def layer_by_name(name: str):
+    """The module vLLM registered under ``name`` (MoE runners register their ``layer_name``)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[name]
+
+
+def dp_rows_offset(dp_rank: int, rows: int) -> int:
+    """Where this DP rank's tokens start among ``rows`` rows a MoE layer sees: under data
+    parallelism vLLM gathers every rank's tokens (rank-major) before routing them."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if dp_rank == 0 or not is_forward_context_available():
+        return 0
+    metadata = get_forward_context().dp_metadata
+    if metadata is None:
+        return 0
+    sizes = getattr(metadata, "local_sizes", None) or metadata.num_tokens_across_dp_cpu.tolist()
+    if sum(sizes) != rows:  # not gathered
+        return 0
+    return int(sum(sizes[:dp_rank]))
+
+
+def step_batch(runner):
+    """``(req_ids [R], num_prompt_tokens [R], bounds [R+1])`` of the step being run."""
+    import numpy as np
+
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    bounds = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64).copy()
+    return list(batch.req_ids[:num_reqs]), np.asarray(batch.num_prompt_tokens[:num_reqs]).copy(), bounds
+
+
+# ---- MoE layer pieces used by the TP shuffle --------------------------------------------------
+def moe_runner_class():
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return MoERunner
+
+
+def topk_indices_dtype(runner):
+    return runner._quant_method.topk_indices_dtype
+
+
+def select_experts(runner, hidden_states, router_logits):
+    """``(weights [m, K], ids [m, K])`` of ``runner``'s router, without its capture hook."""
+    router = runner.router
+    capture, router.capture_fn = router.capture_fn, None
+    try:
+        return router.select_experts(hidden_states=hidden_states, router_logits=router_logits,
+                                     topk_indices_dtype=topk_indices_dtype(runner))
+    finally:
+        router.capture_fn = capture
+
+
+def experts_forward(experts, hidden_states, weights, ids):
+    """This rank's experts on ``hidden_states`` rows routed by ``(weights, ids)``."""
+    return experts.forward_modular(hidden_states, weights, ids)
+
+
+@contextlib.contextmanager
+def unreduced(linear):
+    """Run a row-parallel linear layer without its all-reduce (partial sums per rank)."""
+    linear.reduce_results = False
+    try:
+        yield
+    finally:
+        linear.reduce_results = True
+
+
+def ep_group():
+    from vllm.distributed.parallel_state import get_ep_group
+
+    return get_ep_group()
+
+
+def tp_group():
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+# ---- DP load balancer -----------------------------------------------------------------------
+def dp_client_class():
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    return DPLBAsyncMPClient
+
+
+def dp_num_ranks(client) -> int:
+    return len(client.core_engines)
+
+
+def dp_request_placed(client, request) -> bool:
+    """Whether vLLM already placed this request (streaming-input session affinity)."""
+    return request.request_id in client.reqs_in_flight
+
+
+def dp_queue_scores(client, version: str | None = None) -> list[float]:
+    """vLLM's own load score of each DP rank (lower: less loaded), as its balancer computes it.
+
+    0.32: ``max(client_count * in_flight, waiting + running)``; 0.33 adds a KV-pressure term
+    for waiting requests, ``waiting * 6 * max(0, kv_usage - 0.5)``.
+    """
+    version = version or vllm_version()
+    penalise_kv = major_minor(version) >= (0, 33)
+    scores = []
+    for engine, counts in zip(client.core_engines, client.lb_engines):
+        waiting, running = counts[0], counts[1]
+        score = float(max(client.client_count * client.engine_inflight[engine], waiting + running))
+        if penalise_kv and waiting and len(counts) > 2:
+            score += waiting * 6.0 * max(0.0, float(counts[2]) - 0.5)
+        scores.append(score)
+    return scores
+
+
+# ---- process-wide fixes ---------------------------------------------------------------------
+def tolerate_foreign_vars(safe_vars) -> bool:
+    """Give vLLM's Triton kernel re-binding scan ``safe_vars`` as its ``vars``; ``False`` when
+    this vLLM has no such scan."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return False
+    if not hasattr(dispatcher, "_rebind_kernels"):
+        return False
+    dispatcher.vars = safe_vars
+    return True
