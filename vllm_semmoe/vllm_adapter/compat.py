@@ -42,6 +42,7 @@ class Internal:
         params: the parameter names the adapter passes or receives, in order.
         needed_by: the features that use it (``all``, ``capture``, ``tp``, ``dp``, ``cpu``).
         why: what the adapter does with it.
+        mentions: names the definition must mention (e.g. parameters it registers by name).
     """
 
     module: str
@@ -50,6 +51,7 @@ class Internal:
     params: tuple[str, ...] = ()
     needed_by: str = "all"
     why: str = ""
+    mentions: tuple[str, ...] = ()  # string constants the definition must contain (source check)
 
     @property
     def name(self) -> str:
@@ -104,10 +106,10 @@ INTERNALS: tuple[Internal, ...] = (
              why="this rank's experts on its own and received rows"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.global_num_experts",
              "attribute", why="expert count"),
-    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.w13_weight", "attribute",
-             why="placement: expert weight loader"),
-    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.w2_weight", "attribute",
-             why="placement: expert weight loader"),
+    Internal("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+             "UnquantizedFusedMoEMethod.create_weights", "function", (),
+             mentions=("w13_weight", "w2_weight"),
+             why="registers the expert weights w13_weight / w2_weight whose weight_loader the placement wraps"),
     Internal("vllm.model_executor.layers.linear", "RowParallelLinear.reduce_results", "attribute", needed_by="tp",
              why="attention output left unreduced for the shuffled reduce-scatter"),
     # model runner: real forward steps, capture, flush

@@ -1,0 +1,178 @@
+"""The plugin under vLLM's default compilation (no ``enforce_eager``): on CPU, vLLM traces the
+model once with Dynamo and compiles it with Inductor, so Python hooks inside the model run
+only at trace time. Every mode must still do its work on every step:
+
+* TP 1, routing capture: every MoE layer's routing of every step is captured;
+* TP 2 + EP, mode ``tp``: the token shuffle runs (fused into the collectives) in every MoE
+  layer of every step, and greedy tokens equal TP 1's;
+* ``vllm serve`` DP 2 + EP, mode ``dp``: Sem-MoE routes the requests, every answer equals TP 1's.
+
+Each engine runs in its own subprocess with fresh compile caches (a minute or more each on a
+2-core machine: Dynamo trace plus Inductor compile of the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_semmoe.assets import tiny_moe_path
+
+pytest.importorskip("vllm")
+
+from test_cpu_parallel import (  # noqa: E402  (shared engine helpers and the TP 1 reference)
+    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _assert_same_tokens, _engine_env, _free_port,
+    _kill_group, _post_json, _run_bounded, _tail, _vllm_serve_cmd, reference)
+
+ENGINE_TIMEOUT_S = 480
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+COMPILED_SCRIPT = r"""
+import json, sys
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm_semmoe.vllm_adapter.plugin import flush_capture
+    llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0,
+              tensor_parallel_size=cfg["tp"], enable_expert_parallel=cfg["tp"] > 1,
+              distributed_executor_backend=cfg["backend"], enable_prefix_caching=False,
+              additional_config={"semmoe": cfg["semmoe"]})
+    assert not llm.llm_engine.vllm_config.model_config.enforce_eager
+    mode = llm.llm_engine.vllm_config.compilation_config.mode
+    outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                                                       ignore_eos=True), use_tqdm=False)
+    result = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outs],
+              "summaries": llm.collective_rpc(flush_capture), "compilation_mode": int(mode)}
+    with open(cfg["out"], "w") as f:
+        json.dump(result, f, default=float)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _run_compiled(tmp: Path, name: str, *, tp: int, semmoe: dict) -> dict:
+    out = tmp / f"{name}.json"
+    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
+           "tp": tp, "backend": "uni" if tp == 1 else "mp", "semmoe": semmoe}
+    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 else TP_ENV
+    started = time.monotonic()
+    _run_bounded([sys.executable, "-c", COMPILED_SCRIPT, json.dumps(cfg)], _engine_env(tmp, **extra),
+                 tmp / f"{name}.log", ENGINE_TIMEOUT_S)
+    print(f"{name}: engine run {time.monotonic() - started:.0f} s")
+    result = json.loads(out.read_text())
+    assert result["compilation_mode"] > 0, "the engine did not compile the model"
+    return result
+
+
+@pytest.fixture(scope="module")
+def tp_tables(tmp_path_factory) -> Path:
+    """Sem-MoE tables for EP 2 from a synthetic routing trace of the tiny model's shape."""
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+
+    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
+    placement = get_policy("semmoe").solve(trace, 2, mode="tp")
+    path = tmp_path_factory.mktemp("tables") / "tp"
+    build_tables(trace, placement, mode="tp").save(path)
+    return path
+
+
+def test_compiled_capture_tp1(reference: list[dict], tmp_path: Path) -> None:
+    """TP 1, compiled, capture on: tokens equal the eager reference, and every step of every
+    request is in the trace with routing for all 4 MoE layers."""
+    from vllm_semmoe.trace import load_trace
+
+    capture = tmp_path / "capture.npz"
+    result = _run_compiled(tmp_path, "tp1_capture", tp=1, semmoe={"capture": str(capture)})
+    _assert_same_tokens(result["outputs"], reference, "TP 1 compiled with capture")
+    trace = load_trace(capture)
+    assert trace.num_requests == len(PROMPTS) and trace.num_layers == 4
+    # each request: its prompt plus every generated token fed back (the last one is not)
+    decode = trace.is_decode.reshape(-1)
+    assert decode.sum() == len(PROMPTS) * (MAX_TOKENS - 1)
+    for r, out in enumerate(result["outputs"]):
+        rows = slice(trace.offsets[r], trace.offsets[r + 1])
+        assert list(trace.tokens[rows][trace.is_decode[rows]]) == out["token_ids"][:-1]
+    assert result["summaries"][0]["steps"] == MAX_TOKENS
+
+
+def test_compiled_tp2_shuffle(reference: list[dict], tp_tables: Path, tmp_path: Path) -> None:
+    """TP 2 + EP, mode tp, compiled: greedy tokens equal TP 1's, and on both ranks the fused
+    shuffle ran in every MoE layer of every real step (4 layers x steps)."""
+    result = _run_compiled(tmp_path, "tp2_shuffle", tp=2,
+                           semmoe={"tables": str(tp_tables), "mode": "tp", "capture": str(tmp_path / "served.npz")})
+    _assert_same_tokens(result["outputs"], reference, "TP 2 + EP, mode tp, compiled")
+    summaries = result["summaries"]
+    assert len(summaries) == 2
+    for summary in summaries:
+        counters, steps = summary["tp_shuffle"], summary["steps"]
+        assert steps == MAX_TOKENS, summary
+        assert counters["layers_run"] == counters["fused_layers_run"] == 4 * steps, counters
+        assert counters["local_activations"] + counters["remote_activations"] > 0
+
+
+def test_compiled_serve_dp2_dp_mode(reference: list[dict], tp_tables: Path, tmp_path: Path) -> None:
+    """``vllm serve`` DP 2 + EP, mode dp, compiled (the README's DP serving, without
+    --enforce-eager): the server starts, Sem-MoE chooses the ranks, every completion is HTTP 200
+    and equals TP 1's greedy output."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    semmoe = {"tables": str(tp_tables), "mode": "dp"}
+    cmd = _vllm_serve_cmd() + [
+        str(tiny_moe_path()), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel",
+        "--dtype", "bfloat16", "--max-model-len", "256", "--seed", "0",
+        "--additional-config", json.dumps({"semmoe": semmoe})]
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=_engine_env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode} during start-up\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy in time\n{_tail(log)}")
+            time.sleep(1.0)
+        print(f"serve DP 2 compiled: healthy after {time.monotonic() - started:.0f} s")
+        problems = []
+        for i, prompt in enumerate(PROMPTS):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            status, answer = _post_json(f"{base}/v1/completions", body, {}, timeout=180)
+            if status != 200:
+                problems.append(f"prompt {i}: HTTP {status}: {str(answer)[:400]}")
+            elif answer["choices"][0].get("token_ids") != reference[i]["token_ids"]:
+                problems.append(f"prompt {i}: want {reference[i]['token_ids']}, got "
+                                f"{answer['choices'][0].get('token_ids')}")
+        assert not problems, "\n".join(problems) + f"\n{_tail(log, 30)}"
+        text = log.read_text(errors="replace")
+        assert "Sem-MoE DP routing over 2 ranks" in text
+        assert "enforce_eager=False" in text and "DYNAMO_TRACE_ONCE" in text
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(proc)
