@@ -64,6 +64,8 @@ from datetime import timedelta
 
 import numpy as np
 
+from .cost_model import step_counts
+
 DEFAULT_METHODS = ("vanilla", "eplb", "semmoe")
 POOL_ROWS = 4096  # distinct random hidden rows; token (t, layer) uses row (31 t + 7 layer) mod POOL_ROWS
 CHECK_TOL = 0.05  # per-token relative L2 error allowed against the fp32 reference (bf16 wire/compute)
@@ -226,22 +228,22 @@ def analytic_counts(plan: BenchPlan, method: str) -> dict:
     """What the routing implies, without running anything.
 
     Returns ``rows [L, E, E]`` (rows each source rank must dispatch to each other rank:
-    tokens with at least one expert there), ``local`` / ``activations`` (local and all
-    (token, layer, expert) activations), ``tokens`` (token-batches, counted once per batch).
+    tokens with at least one expert there; ``step_rows [S, L, E, E]`` per step),
+    ``activations_per_rank [S, L, E]`` ((token, expert) pairs each rank computes), ``local`` /
+    ``activations`` (local and all (token, layer, expert) activations), ``tokens``
+    (token-batches, counted once per batch). Counted by :func:`.cost_model.step_counts`.
     """
-    rows_idx, _ = plan.step_rows[method]
-    ex = plan.experts[rows_idx].astype(np.int64)  # [P, L, K]
-    dev = plan.step_device[method].astype(np.int64)  # [P, L]
-    L, E = plan.num_layers, plan.ranks
-    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex]  # [P, L, K]
-    present = (ed[..., None] == np.arange(E)).any(axis=2)  # [P, L, E]
-    rows = np.zeros((L, E, E), np.int64)
-    for src in range(E):
-        rows[:, src, :] = (present & (dev == src)[..., None]).sum(axis=0)
-        rows[:, src, src] = 0
+    rows_idx, offsets = plan.step_rows[method]
+    ex = plan.experts[rows_idx]  # [P, L, K]
+    dev = plan.step_device[method]  # [P, L]
+    rows, activations = step_counts(ex, dev, plan.expert_device[method], offsets, plan.ranks)
+    L = plan.num_layers
+    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex.astype(np.int64)]
     return {
-        "rows": rows,
-        "local": int((ed == dev[..., None]).sum()),
+        "rows": rows.sum(axis=0),
+        "step_rows": rows,
+        "activations_per_rank": activations,
+        "local": int((ed == dev.astype(np.int64)[..., None]).sum()),
         "activations": int(ed.size),
         "tokens": int(len(rows_idx)),
     }
