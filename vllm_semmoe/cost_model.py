@@ -4,10 +4,11 @@ LAR and byte counts say how much traffic a placement saves; they do not say whet
 saved on the all-to-all is eaten by a more loaded straggler rank in the expert computation.
 This module turns per-step, per-layer counts into a modelled MoE-layer time:
 
-- **all-to-all** (dispatch, then combine, each a bulk exchange): every rank sends and receives
-  at once over its own links; a rank's exchange takes ``bytes / bandwidth`` per link class
-  (NVLink inside a node, the network between nodes; the slower one bounds it) plus a fixed
-  latency per peer it talks to. The exchange ends when the slowest rank is done.
+- **all-to-all** (dispatch, then combine, each one bulk exchange, the α-β model): every rank
+  sends and receives at once, to all peers in parallel, over its own links; a rank's exchange
+  takes ``bytes / bandwidth`` per link class (NVLink inside a node, the network between
+  nodes, used at the same time; the slower one bounds it), and the exchange ends when the
+  slowest rank is done, plus one fixed latency (the network's when the EP group spans nodes).
 - **experts**: rank ``r`` computes ``activations[r]`` (token, expert) pairs — its own tokens'
   local experts and the rows it received — at ``flops_per_activation / (peak × efficiency)``
   seconds each. The layer waits for the straggler rank.
@@ -35,13 +36,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Hardware:
-    """A named EP deployment: ``ranks_per_node`` GPUs share NVLink; nodes talk over the network.
+    """A named EP deployment: the EP group is spread evenly over ``nodes`` nodes; GPUs of a node
+    share NVLink, nodes talk over the network.
 
-    Bandwidths are bytes/s per GPU per direction; latencies seconds per peer message.
+    Bandwidths are bytes/s per GPU per direction; latencies are seconds per exchange.
     """
 
     name: str
-    ranks_per_node: int
+    nodes: int
     nvlink_bytes_s: float
     network_bytes_s: float
     nvlink_latency_s: float
@@ -51,17 +53,20 @@ class Hardware:
     source: str
 
 
-#: Named parameter sets. H100 SXM: 900 GB/s NVLink 4 per GPU (450 GB/s each way), 989 TFLOP/s
-#: dense bf16; 400 Gb/s = 50 GB/s per GPU per direction for ConnectX-7 InfiniBand. Latencies
-#: are typical per-message costs of GPU-initiated all-to-all kernels (a few microseconds on
-#: NVLink, more across nodes). 40 % of peak is what grouped GEMMs of MoE shapes commonly reach.
+#: Named parameter sets (nominal figures, not measurements). H100 SXM: 900 GB/s NVLink 4 per GPU
+#: (450 GB/s per direction), 989 TFLOP/s dense bf16; 400 Gb/s = 50 GB/s per GPU per direction
+#: (one ConnectX-7 InfiniBand port per GPU). The latencies (10 µs per exchange inside a node,
+#: 20 µs across nodes) and the 40 % of peak that grouped expert GEMMs reach are assumptions of
+#: this model, stated here so that a reader can change them.
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware("8xH100-nvlink", 8, 450e9, 450e9, 2e-6, 2e-6, 989e12, 0.4,
-                 "H100 SXM nominal: NVLink 4 900 GB/s per GPU (450 GB/s per direction), 989 TFLOP/s bf16"),
-        Hardware("2x8xH100-ib400", 8, 450e9, 50e9, 2e-6, 8e-6, 989e12, 0.4,
-                 "2 nodes x 8 H100 SXM: NVLink inside a node, 400 Gb/s InfiniBand per GPU between nodes"),
+        Hardware("1-node-nvlink", 1, 450e9, 450e9, 10e-6, 10e-6, 989e12, 0.4,
+                 "one node of H100 SXM: NVLink 4, 900 GB/s per GPU (450 GB/s per direction), "
+                 "989 TFLOP/s bf16, 40% of peak in expert GEMMs"),
+        Hardware("2-node-ib400", 2, 450e9, 50e9, 10e-6, 20e-6, 989e12, 0.4,
+                 "the EP group split over 2 nodes of H100 SXM: NVLink inside a node, "
+                 "400 Gb/s InfiniBand per GPU between nodes"),
     )
 }
 
@@ -92,23 +97,24 @@ def exchange_seconds(rows: np.ndarray, row_bytes: float, hw: Hardware) -> np.nda
         rows: ``[S, L, E, E]`` rows sent ``src → dst`` (diagonal ignored).
         row_bytes: bytes of one row.
     Returns:
-        ``[S, L]`` seconds: the slowest rank's ``max(send, receive)`` time per link class plus
-        one latency per peer it exchanges with.
+        ``[S, L]`` seconds: the slowest rank's ``max(send, receive)`` time over its link
+        classes, plus one exchange latency.
     """
     rows = np.asarray(rows, dtype=np.float64)
     E = rows.shape[-1]
+    if E % hw.nodes:
+        raise ValueError(f"EP size {E} cannot be spread evenly over {hw.nodes} nodes ({hw.name})")
     off = rows * (1.0 - np.eye(E))
-    node = np.arange(E) // hw.ranks_per_node
+    node = np.arange(E) // (E // hw.nodes)
     same = node[:, None] == node[None, :]
     seconds = np.zeros(rows.shape[:-2] + (E,))
-    for mask, bw, lat in ((same, hw.nvlink_bytes_s, hw.nvlink_latency_s),
-                          (~same, hw.network_bytes_s, hw.network_latency_s)):
+    for mask, bw in ((same, hw.nvlink_bytes_s), (~same, hw.network_bytes_s)):
         part = off * mask
         send = part.sum(axis=-1) * row_bytes  # [S, L, E(src)]
         recv = part.sum(axis=-2) * row_bytes  # [S, L, E(dst)]
-        peers = ((part > 0) | (np.swapaxes(part, -1, -2) > 0)).sum(axis=-1)  # [S, L, E]
-        seconds = np.maximum(seconds, np.maximum(send, recv) / bw + peers * lat)
-    return seconds.max(axis=-1)
+        seconds = np.maximum(seconds, np.maximum(send, recv) / bw)
+    latency = hw.network_latency_s if hw.nodes > 1 else hw.nvlink_latency_s
+    return seconds.max(axis=-1) + latency
 
 
 def moe_layer_cost(rows: np.ndarray, activations: np.ndarray, tokens: int, shape: MoEShape,
