@@ -1,0 +1,111 @@
+"""One Sem-MoE state per engine: engines created one after another in one process start clean
+and are freed when dropped; layouts a mode cannot serve are refused at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+SEQUENTIAL_SCRIPT = r"""
+import gc, json, sys, weakref
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    from vllm_semmoe.vllm_adapter import state as state_module
+    out = {"runs": []}
+    refs = []
+    for run in range(2):
+        llm = make_llm(cfg["model"], {"capture": cfg["capture"] + f".{run}.npz"}, max_model_len=256)
+        generate(llm, fit_prompts(llm, cfg["prompts"], 256, 6), 6)
+        states = {id(s): s for s in list(state_module._BY_OWNER.values())}
+        refs.extend(weakref.ref(s) for s in states.values())
+        summary = flush(llm)
+        out["runs"].append({"live_states": len(states), "steps": summary["steps"],
+                            "recorded_steps": [s.recorder.num_steps for s in states.values()]})
+        del states, llm
+        gc.collect()
+        out["runs"][-1]["after_drop"] = state_module.live_states()
+    out["alive_refs"] = sum(r() is not None for r in refs)
+    print("RESULT=" + json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_engines_one_after_another_start_clean_and_are_freed(tmp_path: Path) -> None:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=str(tmp_path / "vc"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("VLLM_PLUGINS", None)
+    cfg = {"model": str(tiny_moe_path()), "capture": str(tmp_path / "cap"),
+           "prompts": ["The history of the city", "The game was released on"]}
+    run = subprocess.run([sys.executable, "-c", SEQUENTIAL_SCRIPT, json.dumps(cfg)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT=")), None)
+    assert run.returncode == 0 and line, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(line[len("RESULT="):])
+    first, second = out["runs"]
+    # each engine has exactly one state while it runs, recording only its own steps
+    assert first["live_states"] == second["live_states"] == 1
+    assert first["steps"] == second["steps"] == first["recorded_steps"][0] == second["recorded_steps"][0] > 0
+    # dropping the engine frees its state (nothing keeps runners, models or recorders alive)
+    assert first["after_drop"] == second["after_drop"] == 0
+    assert out["alive_refs"] == 0
+
+
+def _vllm_config(tp=1, dp=1, pp=1, ep=True, graphs="NONE", eager=False):
+    parallel = SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp,
+                               enable_expert_parallel=ep, data_parallel_rank=0, prefill_context_parallel_size=1,
+                               decode_context_parallel_size=1)
+    compilation = SimpleNamespace(mode=2, cudagraph_mode=SimpleNamespace(name=graphs), splitting_ops=[])
+    return SimpleNamespace(parallel_config=parallel, compilation_config=compilation,
+                           model_config=SimpleNamespace(enforce_eager=eager))
+
+
+@pytest.fixture()
+def configs(tmp_path):
+    (tmp_path / "tables").mkdir()
+    make = lambda **kw: SemMoEConfig.from_additional_config({"semmoe": {"tables": str(tmp_path / "tables"), **kw}})
+    return SimpleNamespace(tp=make(mode="tp"), dp=make(mode="dp"), placement=make(),
+                           capture=SemMoEConfig.from_additional_config({"semmoe": {"capture": str(tmp_path / "c.npz")}}))
+
+
+def test_layouts_a_mode_cannot_serve_are_refused(configs) -> None:
+    from vllm_semmoe.vllm_adapter.plugin import check_layout
+
+    with pytest.raises(SemMoEConfigError, match=r"mode 'tp' with data parallelism \(TP 2 x DP 2 \+ EP\)"):
+        check_layout(configs.tp, _vllm_config(tp=2, dp=2))
+    for config in (configs.tp, configs.dp, configs.placement, configs.capture):
+        with pytest.raises(SemMoEConfigError, match=r"pipeline parallelism \(pipeline_parallel_size=2\)"):
+            check_layout(config, _vllm_config(tp=2, pp=2))
+    # supported layouts pass
+    check_layout(configs.tp, _vllm_config(tp=2, dp=1))
+    check_layout(configs.dp, _vllm_config(tp=2, dp=2))
+    check_layout(configs.placement, _vllm_config(tp=2, dp=2))
+
+
+def test_full_cuda_graphs_are_refused_and_piecewise_graphs_split_at_the_ops(configs) -> None:
+    from vllm_semmoe.vllm_adapter.ops import SPLITTING_OPS
+    from vllm_semmoe.vllm_adapter.plugin import check_compilation
+
+    with pytest.raises(SemMoEConfigError, match=r"full CUDA graphs \(cudagraph_mode=FULL_AND_PIECEWISE\)"):
+        check_compilation(configs.capture, _vllm_config(graphs="FULL_AND_PIECEWISE"))
+    piecewise = _vllm_config(graphs="PIECEWISE")
+    check_compilation(configs.tp, piecewise)
+    assert set(SPLITTING_OPS) | {"vllm::moe_forward"} <= set(piecewise.compilation_config.splitting_ops)
+    # placement only runs nothing per step: any graph mode serves it; eager needs nothing
+    check_compilation(configs.placement, _vllm_config(graphs="FULL_AND_PIECEWISE"))
+    check_compilation(configs.capture, _vllm_config(graphs="FULL", eager=True))

@@ -1,0 +1,107 @@
+"""The Attention-TP decision of :mod:`vllm_semmoe.scheduling` in PyTorch ops, for tensors that
+live on an accelerator: the same device per token and the same permutation as the Numba code
+(property-tested), computed where the activations are, without copying the batch to the host.
+
+Operation order and precision follow the Numba functions (float32 products, float64 sums and
+prices, first index on ties), so the results are identical, not merely close. The price rounds
+run a fixed number of times with finished rounds masked out (no host round trip); the repair
+step, needed only when the prices leave a device over capacity, reads one flag.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .scheduling import COMBINE_PRODUCT, slice_capacity
+
+ROUNDS = 40  # price rounds of :func:`vllm_semmoe.scheduling.align`
+
+
+def tp_layer_scores(rows: torch.Tensor, history: torch.Tensor, t2d_layer: torch.Tensor, oov_layer: torch.Tensor,
+                    markov_layer: torch.Tensor, combine: int = COMBINE_PRODUCT) -> torch.Tensor:
+    """``[B, E]`` float32 device scores, as :func:`vllm_semmoe.scheduling.tp_layer_scores`.
+
+    Args:
+        rows: ``[B]`` int64 (``-1``: unseen); history: ``[B]`` int64 (``-1``: unknown);
+        t2d_layer: ``[J, E]`` float32; oov_layer: ``[E]`` float32; markov_layer: ``[E*E, E]``.
+    """
+    oov32 = oov_layer.to(torch.float32)
+    base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float32)[rows.clamp_min(0)], oov32[None, :])
+    known = history >= 0
+    markov = markov_layer[history.clamp_min(0)]
+    if combine == COMBINE_PRODUCT:
+        product = (base * markov.to(torch.float32)).to(torch.float64)
+        scaled = (product / oov32.to(torch.float64).clamp_min(1e-9)).to(torch.float32)
+        total = torch.zeros(scaled.shape[0], dtype=torch.float64, device=scaled.device)
+        for e in range(scaled.shape[1]):  # sequential float64 sum, as Numba adds them
+            total = total + scaled[:, e].to(torch.float64)
+        normalised = (scaled.to(torch.float64) / total.clamp_min(1e-30)[:, None]).to(torch.float32)
+        return torch.where(known[:, None], normalised, base)
+    markov32 = markov.to(torch.float32)
+    use_markov = known & (markov32.amax(dim=1) > base.amax(dim=1))
+    return torch.where(use_markov[:, None], markov32, base)
+
+
+def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Tensor:
+    """``[B]`` int64 device per token, at most ``capacity`` each, as :func:`vllm_semmoe.scheduling.align`."""
+    score = scores.to(torch.float64)
+    U, E = score.shape
+    device_ = score.device
+    cap = float(capacity)
+    price = torch.zeros(E, dtype=torch.float64, device=device_)
+    device = torch.zeros(U, dtype=torch.int64, device=device_)
+    load = torch.zeros(E, dtype=torch.float64, device=device_)
+    done = torch.zeros((), dtype=torch.bool, device=device_)
+    step = 0.05 * (score.max() - score.min() + 1e-9)
+    ones = torch.ones(U, dtype=torch.float64, device=device_)
+    for _ in range(rounds):
+        best = torch.argmax(score - price[None, :], dim=1)  # first index on ties, like Numba's strict >
+        new_load = torch.zeros(E, dtype=torch.float64, device=device_).index_add_(0, best, ones)
+        device = torch.where(done, device, best)
+        load = torch.where(done, load, new_load)
+        done = done | (new_load.max() <= cap)
+        updated = torch.clamp_min(price + step * (new_load / cap - 1.0), 0.0)
+        price = torch.where(done, price, updated)
+        step = step * 0.93
+    if bool(load.max() > cap):  # the one host read: repair is rarely needed
+        device = _repair(score, device, load, cap)
+    return device
+
+
+def _repair(score, device, load, cap):
+    """Move the units that lose least out of devices still over ``cap`` (Numba's repair loop)."""
+    U, E = score.shape
+    columns = torch.arange(E, device=score.device)
+    for _ in range(U):
+        over = int(torch.argmax(load))
+        if load[over] <= cap:
+            break
+        on_over = device == over
+        room = (load[None, :] + 1.0 <= cap) & (columns[None, :] != over) & on_over[:, None]
+        loss = torch.where(room, score[:, over:over + 1] - score, torch.full_like(score, float("inf")))
+        flat = int(torch.argmin(loss.reshape(-1)))
+        if not torch.isfinite(loss.reshape(-1)[flat]):
+            break
+        u, e = divmod(flat, E)
+        device[u] = e
+        load[over] -= 1.0
+        load[e] += 1.0
+    return device
+
+
+def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_token [E*cap], token_slot [B])`` as :func:`vllm_semmoe.scheduling.shuffle_permutation`."""
+    onehot = torch.nn.functional.one_hot(device, ep_size)
+    fill = onehot.cumsum(dim=0).gather(1, device[:, None]).squeeze(1) - 1  # earlier tokens of the same device
+    token_slot = device * capacity + fill
+    slot_token = torch.full((ep_size * capacity,), -1, dtype=torch.int64, device=device.device)
+    slot_token.scatter_(0, token_slot, torch.arange(len(device), device=device.device))
+    return slot_token, token_slot
+
+
+def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int, combine: int = COMBINE_PRODUCT):
+    """One layer's decision on the tensors' device: ``(device [B], slot_token, token_slot)``."""
+    cap = slice_capacity(int(rows.shape[0]), ep_size)
+    device = align(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), cap)
+    slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
+    return device, slot_token, token_slot
