@@ -7,7 +7,7 @@ Reference: plain vLLM (plugin installed, not configured), TP 1, compiled.
 * TP 1, routing capture: every MoE layer's routing of every step is captured;
 * TP 2 + EP, mode ``tp``: the token shuffle runs (fused into the collectives) in every MoE
   layer of every step, and greedy tokens equal TP 1's;
-* ``vllm serve`` DP 2 + EP, mode ``dp``: Sem-MoE routes the requests, every answer equals TP 1's.
+* ``semmoe serve`` DP 2 + EP, mode ``dp``: Sem-MoE routes the requests, every answer equals TP 1's.
 
 Each engine runs in its own subprocess with fresh compile caches (a minute or more each on a
 2-core machine: Dynamo trace plus Inductor compile of the tiny model).
@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, MIN_REFERENCE_MARGIN, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port,
-    _kill_group, _post_json, _run_bounded, _tail, _vllm_serve_cmd)
+    _kill_group, _post_json, _run_bounded, _tail)
 
 ENGINE_TIMEOUT_S = 480
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -144,20 +144,23 @@ def test_compiled_tp2_shuffle(reference: dict, tp_tables: Path, tmp_path: Path) 
         assert steps == MAX_TOKENS, summary
         assert counters["layers_run"] == counters["fused_layers_run"] == 4 * steps, counters
         assert counters["local_activations"] + counters["remote_activations"] > 0
+        share = (counters["schedule_s"] + counters["host_sync_s"]) / counters["moe_layer_s"]
+        print(f"TP shuffle rank {summaries.index(summary)}: scheduling {counters['schedule_s'] * 1e3:.1f} ms + host "
+              f"syncs {counters['host_sync_s'] * 1e3:.1f} ms of {counters['moe_layer_s'] * 1e3:.1f} ms in the shuffled "
+              f"decoder layers ({share:.1%})")
 
 
 def test_compiled_serve_dp2_dp_mode(reference: dict, tp_tables: Path, tmp_path: Path) -> None:
-    """``vllm serve`` DP 2 + EP, mode dp, compiled (the README's DP serving, without
-    --enforce-eager): the server starts, Sem-MoE chooses the ranks, every completion is HTTP 200
-    and equals TP 1's greedy output."""
+    """``semmoe serve`` (= ``vllm serve`` with the plugin settings) DP 2 + EP, mode dp, compiled:
+    the README's DP serving command as written (no --enforce-eager). The server starts, Sem-MoE
+    chooses the ranks, every completion is HTTP 200 and equals TP 1's greedy output."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    semmoe = {"tables": str(tp_tables), "mode": "dp"}
-    cmd = _vllm_serve_cmd() + [
-        str(tiny_moe_path()), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1", "--enable-expert-parallel",
-        "--dtype", "bfloat16", "--max-model-len", "256", "--seed", "0",
-        "--additional-config", json.dumps({"semmoe": semmoe})]
+    # the README's command: semmoe serve MODEL --data-parallel-size 2 --enable-expert-parallel --tables T --mode dp
+    cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", str(tiny_moe_path()),
+           "--data-parallel-size", "2", "--enable-expert-parallel", "--tables", str(tp_tables), "--mode", "dp",
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+           "--data-parallel-address", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "256", "--seed", "0"]
     log = tmp_path / "serve.log"
     started = time.monotonic()
     with open(log, "w") as out:

@@ -21,6 +21,8 @@ Bytes sent in dispatch and combine and local/remote activations are counted per 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -64,7 +66,9 @@ def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Ten
     :func:`moe_on_slice`, and restore ``[B, H]`` with the shuffled all-gather."""
     group = compat.ep_group()
     B = hidden_states.shape[0]
+    start = time.perf_counter()
     slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
+    step.counters["schedule_s"] += time.perf_counter() - start
     mine_slots = slot_token[group.rank_in_group * cap : (group.rank_in_group + 1) * cap]
     count = int((mine_slots >= 0).sum())
     device = hidden_states.device
@@ -91,7 +95,9 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
     with compat.unreduced(decoder.self_attn.o_proj):
         partial = decoder.self_attn(positions=positions, hidden_states=hidden)
     B = partial.shape[0]
+    start = time.perf_counter()
     slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
+    step.counters["schedule_s"] += time.perf_counter() - start
     rank = group.rank_in_group
     mine_slots = slot_token[rank * cap : (rank + 1) * cap]
     count = int((mine_slots >= 0).sum())
@@ -121,7 +127,9 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     # the real gate on this rank's slice (capture is fed below, for all tokens, in token order)
     logits, _ = runner.gate(x_my)
     weights, ids = compat.select_experts(runner, x_my, logits)
+    start = time.perf_counter()
     dest = (ids.long() // n_local).cpu().numpy()  # [m, K] rank holding each chosen expert
+    step.counters["host_sync_s"] += time.perf_counter() - start
     device = x_my.device
 
     # dispatch: each token once to every other rank holding one of its experts
@@ -144,7 +152,10 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     out_my = local_out.index_add(0, order, back) if order.numel() else local_out
 
     full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(
-        0, torch.from_numpy(token_slot).to(device)).cpu()
+        0, torch.from_numpy(token_slot).to(device))
+    start = time.perf_counter()
+    full_ids = full_ids.cpu()
+    step.counters["host_sync_s"] += time.perf_counter() - start
     local = int((dest == rank).sum())
     row_bytes = H * x_my.element_size()
     counters = step.counters

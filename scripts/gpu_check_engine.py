@@ -1,0 +1,153 @@
+"""GPU check, engine part (run by scripts/gpu_check.sh): device-side TP decision vs Numba on the
+GPU, the tiny model through CUDA vLLM with placement + capture, and the decision timed against a
+MoE layer. Writes ``OUT/engine.json``."""
+
+import json
+import os
+import sys
+import time
+
+
+def decision_matches(trials: int = 200) -> dict:
+    import numpy as np
+    import torch
+
+    from vllm_semmoe import scheduling, scheduling_torch
+
+    rng = np.random.default_rng(0)
+    bad = 0
+    for _ in range(trials):
+        E, J, B = int(rng.choice([2, 4, 8])), int(rng.integers(1, 64)), int(rng.integers(1, 2048))
+        t2d = rng.random((J, E), np.float32); t2d /= t2d.sum(1, keepdims=True)
+        oov = rng.random(E, np.float32); oov /= oov.sum()
+        markov = rng.random((E * E, E), np.float32); markov /= markov.sum(1, keepdims=True)
+        rows = rng.integers(-1, J, B).astype(np.int64)
+        hist = np.where(rng.random(B) < 0.3, -1, rng.integers(0, E * E, B)).astype(np.int64)
+        want = scheduling.tp_schedule(rows, hist, t2d, oov, markov, E)
+        c = lambda a: torch.from_numpy(a).cuda()
+        got = scheduling_torch.tp_schedule(c(rows), c(hist), c(t2d), c(oov), c(markov), E)
+        bad += any(not np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, want))
+    return {"decision_trials": trials, "decision_mismatches": bad}
+
+
+def time_moe_vs_decision(worker) -> dict:
+    """On the engine's GPU: one MoE layer (gate, top-k, experts) vs the device-side decision."""
+    import numpy as np
+    import torch
+
+    from vllm_semmoe import scheduling_torch
+    from vllm_semmoe.vllm_adapter import compat
+    from vllm_semmoe.vllm_adapter.replacement import moe_runners
+
+    runner = getattr(worker, "model_runner", worker)
+    layer = moe_runners(runner.get_model())[0]
+    H = layer.routed_experts.w2_weight.shape[1]
+    results = {}
+    for B in (64, 512, 4096):
+        x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
+        E, J = 8, 4096
+        rng = np.random.default_rng(B)
+        t2d = torch.from_numpy(rng.random((J, E), np.float32)).cuda()
+        oov = torch.full((E,), 1.0 / E, device="cuda")
+        markov = torch.from_numpy(rng.random((E * E, E), np.float32)).cuda()
+        rows = torch.from_numpy(rng.integers(-1, J, B)).cuda()
+        hist = torch.from_numpy(rng.integers(-1, E * E, B)).cuda()
+
+        def moe():
+            logits, _ = layer.gate(x)
+            w, ids = compat.select_experts(layer, x, logits)
+            return compat.experts_forward(layer.routed_experts, x, w, ids)
+
+        def decide():
+            return scheduling_torch.tp_schedule(rows, hist, t2d, oov, markov, E)
+
+        out = {}
+        for name, fn in (("moe_layer_ms", moe), ("decision_ms", decide)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            out[name] = start.elapsed_time(end) / 20
+        out["decision_share"] = out["decision_ms"] / (out["decision_ms"] + out["moe_layer_ms"])
+        results[str(B)] = out
+    return results
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import gc
+
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_semmoe.assets import tiny_moe_path
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.vllm_adapter.config import SemMoEConfigError
+    from vllm_semmoe.vllm_adapter.plugin import flush_capture
+
+    summary = {"gpu": torch.cuda.get_device_name(0)}
+    import vllm
+    summary["vllm"] = vllm.__version__
+    summary.update(decision_matches())
+    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
+    tables = os.path.join(out_dir, "tables")
+    build_tables(trace, get_policy("semmoe").solve(trace, 4)).save(tables)
+    prompts = ["The history of the city", "The game was released on", "The first season of the show"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(model=str(tiny_moe_path()), dtype="bfloat16", max_model_len=256, seed=0,
+                  gpu_memory_utilization=0.2, enable_prefix_caching=False)
+
+    def run(**kw):
+        llm = LLM(**common, **kw)
+        try:
+            tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            extra = llm.collective_rpc(flush_capture) if kw.get("additional_config") else None
+            timing = llm.collective_rpc(time_moe_vs_decision)[0] if kw.get("additional_config") else None
+            return tokens, extra, timing
+        finally:
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    t = time.time()
+    plain, _, _ = run()
+    summary["plain_default_compile_s"] = round(time.time() - t, 1)
+    capture = os.path.join(out_dir, "capture.npz")
+    semmoe = {"additional_config": {"semmoe": {"tables": tables, "capture": capture}}}
+    try:
+        run(**semmoe)
+        summary["full_cudagraphs_refused"] = False
+    except SemMoEConfigError as exc:
+        summary["full_cudagraphs_refused"] = "full CUDA graphs" in str(exc)
+    except Exception as exc:  # wrapped by vLLM's engine start
+        summary["full_cudagraphs_refused"] = "full CUDA graphs" in str(exc)
+    t = time.time()
+    placed, flushed, timing = run(compilation_config={"cudagraph_mode": "PIECEWISE"}, **semmoe)
+    summary["semmoe_piecewise_s"] = round(time.time() - t, 1)
+    summary["tokens_equal_plain"] = placed == plain
+    captured = load_trace(capture)
+    summary["captured_requests"] = int(captured.num_requests)
+    summary["captured_decode_tokens"] = int(captured.is_decode.sum())
+    summary["captured_expected_decode_tokens"] = len(prompts) * 15
+    summary["steps"] = flushed[0].get("steps") if flushed else None
+    summary["moe_vs_decision"] = timing
+    with open(os.path.join(out_dir, "engine.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    ok = (summary["decision_mismatches"] == 0 and summary["tokens_equal_plain"] and summary["full_cudagraphs_refused"]
+          and summary["captured_decode_tokens"] == summary["captured_expected_decode_tokens"])
+    print(json.dumps(summary))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
