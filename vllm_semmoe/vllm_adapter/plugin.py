@@ -226,9 +226,23 @@ def build_state(model, config, vllm_config) -> SemMoEState:
         for runner in runners:
             if runner.layer_name not in state.fused:
                 ops.install_moe_op(runner, runner.layer_name)
+        warm_up_scheduler(state.tables, ep_size)
     if config.records:  # flush at interpreter exit too (holds the state weakly)
         atexit.register(_flush_at_exit, weakref.ref(state))
     return state
+
+
+def warm_up_scheduler(tables, ep_size: int) -> None:
+    """Compile the Numba TP scheduler now (types of the real calls), not in the first step."""
+    import numpy as np
+
+    from .. import scheduling
+
+    rows = np.array([-1, 0], np.int64)
+    history = np.array([-1, 0], np.int64)
+    scheduling.tp_schedule(rows, history, tables.t2d_score[0].astype(np.float32), tables.oov_score[0],
+                           tables.markov[0], ep_size)
+    scheduling.shuffle_permutation(scheduling.contiguous_slices(2, ep_size), ep_size, 1)
 
 
 def fuse_decoder_layers(model, state: SemMoEState) -> int:
