@@ -56,3 +56,27 @@ def test_repair_path_matches():
         want_1 = scheduling.balanced_assignment(scores.astype(np.float64), np.ones(33), float(cap), 1)[0]
         np.testing.assert_array_equal(got.numpy(), want_1)
         assert np.bincount(want, minlength=4).max() <= cap
+
+
+def test_tp_shuffle_layer_schedules_the_same_on_device():
+    """``TpShuffleLayer.schedule``'s on-device path (used for CUDA tensors; run here on CPU
+    tensors) gives the host path's permutation, with the two-layer history."""
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.vllm_adapter.state import StepContext, new_tp_counters
+    from vllm_semmoe.vllm_adapter.tp_shuffle import TpShuffleLayer
+
+    trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=512, num_requests=30)
+    tables = build_tables(trace, get_policy("semmoe").solve(trace, 4, mode="tp"), mode="tp")
+    rng = np.random.default_rng(0)
+    for B in (1, 5, 64, 300):
+        step = StepContext(rng.integers(0, 600, B), tables, None, new_tp_counters())
+        step.major = {0: rng.integers(0, 4, B), 1: rng.integers(0, 4, B)}
+        for layer in (0, 2, 3):
+            shuffle = TpShuffleLayer(layer, tables)
+            host = shuffle.schedule(step, B, 4)
+            dev = shuffle._schedule_on_device(step, B, 4, torch.device("cpu"))
+            assert dev[2] == host[2]
+            np.testing.assert_array_equal(dev[0].numpy(), host[0])
+            np.testing.assert_array_equal(dev[1].numpy(), host[1])

@@ -44,14 +44,20 @@ class TpShuffleLayer:
         self.tables = tables
         self.shuffle = tables.placement.method == "semmoe"
         self.t2d = tables.t2d_score[layer].astype(np.float32)
+        self._device_tables: dict = {}  # device -> (t2d, oov, markov) tensors for on-device decisions
 
-    def schedule(self, step: StepContext, num_tokens: int, ep_size: int):
-        """``(slot_token, token_slot, capacity)``, identical on every rank."""
+    def schedule(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device | None = None):
+        """``(slot_token, token_slot, capacity)``, identical on every rank.
+
+        With activations on a CUDA ``device`` the decision runs there, in PyTorch ops
+        (:func:`_schedule_on_device`: the same permutation), and the index tensors stay there;
+        otherwise in Numba on the host (NumPy arrays).
+        """
+        if self.shuffle and device is not None and device.type == "cuda":
+            return self._schedule_on_device(step, num_tokens, ep_size, device)
         cap = scheduling.slice_capacity(num_tokens, ep_size)
         if self.shuffle:
-            history = np.full(num_tokens, -1, np.int64)
-            if self.layer >= 2 and (self.layer - 1) in step.major and (self.layer - 2) in step.major:
-                history = step.major[self.layer - 2] * ep_size + step.major[self.layer - 1]
+            history = self._history(step, num_tokens, ep_size)
             _, slot_token, token_slot = scheduling.tp_schedule(
                 step.rows, history, self.t2d, self.tables.oov_score[self.layer],
                 self.tables.markov[self.layer], ep_size)
@@ -60,6 +66,33 @@ class TpShuffleLayer:
             slot_token, token_slot = scheduling.shuffle_permutation(device, ep_size, cap)
         return slot_token, token_slot, cap
 
+    def _history(self, step: StepContext, num_tokens: int, ep_size: int) -> np.ndarray:
+        """``[B]`` ``d2 * E + d1`` of the two previous layers' majority devices (``-1``: unknown)."""
+        if self.layer >= 2 and (self.layer - 1) in step.major and (self.layer - 2) in step.major:
+            return step.major[self.layer - 2] * ep_size + step.major[self.layer - 1]
+        return np.full(num_tokens, -1, np.int64)
+
+    def _schedule_on_device(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device):
+        """:meth:`schedule` in PyTorch ops on ``device`` (index tensors returned there)."""
+        from .. import scheduling_torch
+
+        tables = self._device_tables.get(device)
+        if tables is None:
+            tables = self._device_tables[device] = tuple(
+                torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                for a in (self.t2d, self.tables.oov_score[self.layer], self.tables.markov[self.layer]))
+        rows = torch.from_numpy(step.rows).to(device, non_blocking=True)
+        history = torch.from_numpy(np.asarray(self._history(step, num_tokens, ep_size), np.int64)).to(device)
+        _, slot_token, token_slot = scheduling_torch.tp_schedule(rows, history, *tables, ep_size)
+        return slot_token, token_slot, scheduling.slice_capacity(num_tokens, ep_size)
+
+
+def _index(indices, device: torch.device) -> torch.Tensor:
+    """An index array from :meth:`TpShuffleLayer.schedule` as an int64 tensor on ``device``."""
+    if isinstance(indices, torch.Tensor):
+        return indices.to(device)
+    return torch.from_numpy(np.ascontiguousarray(indices)).to(device)
+
 
 def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Tensor, step: StepContext):
     """MoE-boundary variant (any model): take this rank's slice of the replicated input, run
@@ -67,14 +100,14 @@ def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Ten
     group = compat.ep_group()
     B = hidden_states.shape[0]
     start = time.perf_counter()
-    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
+    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size, hidden_states.device)
     step.counters["schedule_s"] += time.perf_counter() - start
     mine_slots = slot_token[group.rank_in_group * cap : (group.rank_in_group + 1) * cap]
     count = int((mine_slots >= 0).sum())
     device = hidden_states.device
-    x_my = srs_pack(hidden_states, torch.from_numpy(mine_slots.copy()).to(device))[:count]
+    x_my = srs_pack(hidden_states, _index(mine_slots, device))[:count]
     out_my = moe_on_slice(runner, layer, x_my, step, cap, token_slot, group)
-    return sag_unpack(_all_gather_slices(out_my, cap, group), torch.from_numpy(token_slot).to(device))
+    return sag_unpack(_all_gather_slices(out_my, cap, group), _index(token_slot, device))
 
 
 def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_states, residual, step: StepContext):
@@ -96,19 +129,19 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
         partial = decoder.self_attn(positions=positions, hidden_states=hidden)
     B = partial.shape[0]
     start = time.perf_counter()
-    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
+    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size, partial.device)
     step.counters["schedule_s"] += time.perf_counter() - start
     rank = group.rank_in_group
     mine_slots = slot_token[rank * cap : (rank + 1) * cap]
     count = int((mine_slots >= 0).sum())
     device = partial.device
-    packed = srs_pack(partial, torch.from_numpy(slot_token).to(device))  # SRS: pack, reduce-scatter
+    packed = srs_pack(partial, _index(slot_token, device))  # SRS: pack, reduce-scatter
     reduced = tp.reduce_scatterv(packed, dim=0, sizes=[cap] * group.world_size)[:count]
-    residual_my = srs_pack(residual, torch.from_numpy(mine_slots.copy()).to(device))[:count]
+    residual_my = srs_pack(residual, _index(mine_slots, device))[:count]
     hidden_my, residual_my = decoder.post_attention_layernorm(reduced, residual_my)
     out_my = moe_on_slice(decoder.mlp.experts, layer, hidden_my, step, cap, token_slot, group)
     step.counters["fused_layers_run"] += 1
-    inverse = torch.from_numpy(token_slot).to(device)
+    inverse = _index(token_slot, device)
     out = sag_unpack(_all_gather_slices(out_my, cap, group), inverse)
     residual = sag_unpack(_all_gather_slices(residual_my, cap, group), inverse)
     return out, residual
@@ -152,7 +185,7 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     out_my = local_out.index_add(0, order, back) if order.numel() else local_out
 
     full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(
-        0, torch.from_numpy(token_slot).to(device))
+        0, _index(token_slot, device))
     start = time.perf_counter()
     full_ids = full_ids.cpu()
     step.counters["host_sync_s"] += time.perf_counter() - start
