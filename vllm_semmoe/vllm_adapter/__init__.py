@@ -1,8 +1,15 @@
 """Everything that touches vLLM internals lives in this folder (a vLLM upgrade touches only it).
 
-- :mod:`.plugin`: the ``vllm.general_plugins`` entry point and the version/internals check;
+- :mod:`.compat`: every vLLM internal the adapter reaches, the supported versions (0.32, 0.33),
+  the start-up check, and the accessors (per-version differences live there only);
+- :mod:`.doctor`: ``semmoe doctor``, the same check on a vLLM source tree or wheel (``ast``);
+- :mod:`.plugin`: the ``vllm.general_plugins`` entry point and its hooks;
+- :mod:`.state`: one :class:`~.state.SemMoEState` per engine, reached from the hooks;
+- :mod:`.ops`: the custom ops that run the per-step work inside compiled models;
 - :mod:`.config`: the ``additional_config["semmoe"]`` settings;
 - :mod:`.replacement`: applying a placement at weight-load time;
 - :mod:`.capture`: live routing capture and live LAR;
+- :mod:`.tp_shuffle`: the Attention-TP token shuffle (``mode: tp``);
+- :mod:`.dp_routing`: Sem-MoE's DP rank choice (``mode: dp``);
 - :mod:`.cpu_fixes`: version-guarded fixes that make TP+EP and DP+EP run on vLLM's CPU build.
 """
