@@ -4,12 +4,15 @@ live on an accelerator: the same device per token and the same permutation as th
 
 Operation order and precision follow the Numba functions (float32 products, float64 sums and
 prices, first index on ties), so the results are identical, not merely close. The price rounds
-run a fixed number of times with finished rounds masked out (no host round trip); the repair
-step, needed only when the prices leave a device over capacity, reads one flag.
+run a fixed number of times with finished rounds masked out (no host round trip); one flag is
+read after them, and the sequential repair step (only when the prices leave a device over
+capacity) runs on the host in Numba.
 """
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 
 from .scheduling import COMBINE_PRODUCT, slice_capacity
@@ -68,25 +71,37 @@ def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Te
     return device
 
 
-def _repair(score, device, load, cap):
-    """Move the units that lose least out of devices still over ``cap`` (Numba's repair loop)."""
+@numba.njit(cache=True)
+def _repair_host(score, device, load, cap):
+    """Numba's repair loop of :func:`vllm_semmoe.scheduling.balanced_assignment` (unit weights):
+    move the units that lose least out of devices still over ``cap``; ``device``/``load`` in place."""
     U, E = score.shape
-    columns = torch.arange(E, device=score.device)
     for _ in range(U):
-        over = int(torch.argmax(load))
+        over = np.argmax(load)
         if load[over] <= cap:
             break
-        on_over = device == over
-        room = (load[None, :] + 1.0 <= cap) & (columns[None, :] != over) & on_over[:, None]
-        loss = torch.where(room, score[:, over:over + 1] - score, torch.full_like(score, float("inf")))
-        flat = int(torch.argmin(loss.reshape(-1)))
-        if not torch.isfinite(loss.reshape(-1)[flat]):
+        best_u, best_e, best_loss = -1, -1, np.inf
+        for u in range(U):
+            if device[u] != over:
+                continue
+            for e in range(E):
+                if e != over and load[e] + 1.0 <= cap:
+                    loss = score[u, over] - score[u, e]
+                    if loss < best_loss:
+                        best_u, best_e, best_loss = u, e, loss
+        if best_u < 0:
             break
-        u, e = divmod(flat, E)
-        device[u] = e
+        device[best_u] = best_e
         load[over] -= 1.0
-        load[e] += 1.0
+        load[best_e] += 1.0
     return device
+
+
+def _repair(score, device, load, cap):
+    """The repair is sequential (each move changes the loads): run it on the host, in Numba, on
+    the rare batches the price rounds leave over capacity (one copy each way)."""
+    fixed = _repair_host(score.cpu().numpy(), device.cpu().numpy().copy(), load.cpu().numpy().copy(), cap)
+    return torch.from_numpy(fixed).to(score.device)
 
 
 def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
