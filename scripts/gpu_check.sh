@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT=${SEMMOE_GPU_OUT:-$ROOT/gpu_check_out}
+OUT=${SEMMOE_GPU_OUT:-${OUT:-$ROOT/gpu_check_out}}  # $OUT: the device runner's folder that comes back
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CACHE_ROOT="$OUT/vllm_cache" TORCHINDUCTOR_CACHE_DIR="$OUT/inductor_cache"
