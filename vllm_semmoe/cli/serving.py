@@ -145,7 +145,7 @@ def add_parsers(sub) -> None:
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)
 
-    from ..bench_ep import add_bench_ep_arguments, cmd_bench_ep
+    from .bench import add_bench_ep_arguments, cmd_bench_ep
 
     p = sub.add_parser("bench-ep", help="EP MoE-layer all-to-all benchmark replaying real routing (torch.distributed)")
     add_bench_ep_arguments(p)
