@@ -181,8 +181,12 @@ def figure_placement(expert_device: np.ndarray, title: str):
 def figure_rank_load(curves: dict, ep: int, title: str):
     """Cumulative prompt tokens per DP rank over the requests, one panel per method."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), sharey=True, squeeze=False)
-    for ax, (name, curve) in zip(axes[0], curves.items()):
+    cols = min(3, len(curves))
+    rows = -(-len(curves) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows + 0.5), sharey=True, squeeze=False)
+    for ax in axes.flat[len(curves):]:
+        ax.set_visible(False)
+    for ax, (name, curve) in zip(axes.flat, curves.items()):
         tokens = np.asarray(curve["tokens"], float)  # [P, E]
         for r in range(tokens.shape[1]):
             ax.plot(curve["requests"], tokens[:, r], lw=1)
@@ -190,7 +194,8 @@ def figure_rank_load(curves: dict, ep: int, title: str):
         ax.set_title(f"{name}: max/mean {spread:.3f}", fontsize=9)
         ax.set_xlabel("requests routed")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"prompt tokens per rank ({ep} ranks)")
+    for row in axes:
+        row[0].set_ylabel(f"prompt tokens per rank ({ep} ranks)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -223,7 +228,7 @@ def figure_bytes(runs: list[tuple[str, dict]]):
             labels.append(f"{name}\n{r.get('mode', '')} {label}")
             values.append(row["bytes_per_token"] / 1024)
     bars = ax.bar(np.arange(len(values)), values, color=[f"C{i % 10}" for i in range(len(values))])
-    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.bar_label(bars, fmt="%.3g", fontsize=8)
     ax.set_xticks(np.arange(len(values)), labels, fontsize=7)
     ax.set_ylabel("KiB per token (dispatch + combine)")
     ax.set_title("bench-ep: all-to-all bytes per token")
@@ -251,7 +256,7 @@ def figure_cost(data: dict):
         ax.tick_params(axis="x", labelsize=7, rotation=30)
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].set_ylabel("µs per token (all MoE layers)")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"cost model: EP {data.get('ep', '?')}, {str(data.get('mode', '')).upper()} mode", fontsize=10)
     fig.tight_layout()
     return fig

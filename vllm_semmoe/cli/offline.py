@@ -114,6 +114,9 @@ def cmd_solve(args) -> int:
         f"{args.method} placement for {placement.num_layers} layers x {placement.num_experts} experts "
         f"on EP {args.ep} ({args.mode} mode) solved in {solve_s:.1f} s; tables in {args.out}"
     )
+    if args.json:
+        write_json(args.json, dict(tables.manifest(), solve_s=solve_s, out=args.out,
+                                   profile_requests=profile.num_requests, profile_tokens=profile.num_tokens))
     return 0
 
 
@@ -165,6 +168,7 @@ def add_parsers(sub) -> None:
                    help="profile only on this seeded fraction of the requests (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory for tables.npz + manifest.json")
+    add_json_argument(p, "the tables' manifest and solve time")
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("eval", help="compare placements and schedules on held-out routing")
