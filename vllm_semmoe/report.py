@@ -282,6 +282,12 @@ def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}"
 
 
 # ---- page ----------------------------------------------------------------------------------
+def _slug(label: str) -> str:
+    """A file-name part from an input's path relative to ``--from`` (``eval_tp.json`` → ``eval_tp``)."""
+    stem = label[:-5] if label.endswith(".json") else label
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)
+
+
 _STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
@@ -328,10 +334,9 @@ def build_report(from_dir: str, out_dir: str) -> dict:
 
     # LAR per layer + method tables
     part = []
-    for i, (label, data) in enumerate(found["eval"]):
-        tag = f"{data['mode']}_ep{data['ep']}" + (f"_{i}" if len(found["eval"]) > 1 else "")
+    for label, data in found["eval"]:
         if all("lar_per_layer" in r for r in data["methods"].values()):
-            part.append(save(figure_lar_per_layer(data), f"lar_per_layer_{tag}.png",
+            part.append(save(figure_lar_per_layer(data), f"lar_per_layer_{_slug(label)}.png",
                              f"LAR per layer, every method, EP {data['ep']} {data['mode'].upper()}", label))
         else:
             part.append(skip(f"{label}: no lar_per_layer (written by an older semmoe eval)"))
@@ -353,7 +358,7 @@ def build_report(from_dir: str, out_dir: str) -> dict:
         except ValueError as exc:
             part.append(skip(f"{label}: {exc}"))
             continue
-        file = "placement_" + "".join(c if c.isalnum() else "_" for c in label) + ".png"
+        file = f"placement_{_slug(label)}.png"
         title = (f"{placement.method} placement: {placement.num_layers} layers x {placement.num_experts} experts "
                  f"on {placement.ep_size} devices")
         part.append(save(figure_placement(placement.expert_device, title), file, title, label))
@@ -362,11 +367,11 @@ def build_report(from_dir: str, out_dir: str) -> dict:
 
     # DP load over time
     part = []
-    for i, (label, data) in enumerate(found["eval"]):
+    for label, data in found["eval"]:
         curves = {m: r["rank_load_curve"] for m, r in data["methods"].items() if "rank_load_curve" in r}
         if data["mode"] == "dp" and curves:
             part.append(save(figure_rank_load(curves, data["ep"], f"DP per-rank load over time (eval, EP {data['ep']})"),
-                             f"dp_rank_load_{i}.png", "DP per-rank prompt tokens over the evaluation", label))
+                             f"dp_rank_load_{_slug(label)}.png", "DP per-rank prompt tokens over the evaluation", label))
     if found["bench_serve"]:
         part.append(save(figure_bench_serve(found["bench_serve"]), "bench_serve_rank_load.png",
                          "bench-serve: prompt tokens per DP rank", ", ".join(lb for lb, _ in found["bench_serve"])))
@@ -384,8 +389,8 @@ def build_report(from_dir: str, out_dir: str) -> dict:
 
     # cost model
     part = []
-    for i, (label, data) in enumerate(found["cost"]):
-        part.append(save(figure_cost(data), f"cost_model_{i}.png", "modelled MoE-layer time per token", label))
+    for label, data in found["cost"]:
+        part.append(save(figure_cost(data), f"cost_model_{_slug(label)}.png", "modelled MoE-layer time per token", label))
         for hw, rows in data["cost"].items():
             part.append(f"<p><b>{html.escape(hw)}</b> (µs per token)</p>" + html_table(rows, fmt="{:.3f}"))
     sections.append(("Cost model", part or [skip("no `semmoe cost --json` output")]))
