@@ -68,8 +68,9 @@ class Progress:
             self._bar = tqdm(total=total, desc=f"[{self.prefix}] {message}", file=sys.stderr, leave=True,
                              dynamic_ncols=True, mininterval=0.1 if tty else 30.0)
             self._key = key
-        self._bar.n = min(done, total)
-        self._bar.refresh()
+        step = min(done, total) - self._bar.n
+        if step > 0:
+            self._bar.update(step)  # redraws at most every mininterval
         if done >= total:
             self.close()
 
