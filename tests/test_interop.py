@@ -285,6 +285,16 @@ def test_export_reloads_to_the_same_expert_device_map(imported, tmp_path, fmt):
     back = load_placement_file(out, 4, dense_layers=DENSE if fmt == "sglang" else 0)
     np.testing.assert_array_equal(back.placement().expert_device, placement.expert_device)
     assert json.loads((tmp_path / "s.json").read_text())["roundtrip_ok"] is True
+    # semmoe takes the engine file back: tables for the same expert→device map
+    again = tmp_path / "again"
+    assert main(["solve", "--trace", str(imported["sglang"]), "--ep", "4", "--placement", str(out), *dense,
+                 "--out", str(again)]) == 0
+    reloaded = load_tables(again).placement
+    np.testing.assert_array_equal(reloaded.expert_device, placement.expert_device)
+    assert reloaded.method == f"{fmt}-file"
+    if fmt == "sglang":  # forgetting the dense layer is a clear error
+        assert main(["solve", "--trace", str(imported["sglang"]), "--ep", "4", "--placement", str(out),
+                     "--out", str(tmp_path / "x")]) == 2
 
 
 def test_replicated_layout_round_trips_in_both_formats(tmp_path):
