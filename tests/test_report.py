@@ -93,3 +93,18 @@ def test_headless_chromium_loads_every_figure(outputs, tmp_path):
     os.remove(broken / result["figures"][0]["file"])
     dom = dump_dom(broken / "index.html", tmp_path / "profile2")
     assert f'data-loaded="{n - 1}" data-total="{n}">1 of {n} figures did not load' in dom
+
+
+def test_report_says_what_it_could_not_draw(outputs, tmp_path):
+    """An eval JSON from before per-layer LAR: the table is kept, the figure is skipped with the reason."""
+    out, _, _ = outputs
+    data = json.loads((out / "eval_tp.json").read_text())
+    for row in data["methods"].values():
+        del row["lar_per_layer"]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "old_eval.json").write_text(json.dumps(data))
+    result = build_report(str(tmp_path / "in"), str(tmp_path / "r"))
+    assert result["figures"] == []
+    assert "old_eval.json: no lar_per_layer (written by an older semmoe eval)" in result["skipped"]
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "<th>semmoe</th>" in page and "Not drawn: no `semmoe analyze --json` output" in page
