@@ -210,11 +210,14 @@ def figure_bench_serve(runs: list[tuple[str, dict]]):
         x = np.arange(len(r["rank_prompt_tokens"])) + i * width
         ax.bar(x, r["rank_prompt_tokens"], width, label=f"{r['policy']} (max/mean {r['rank_imbalance']:.3f}, "
                                                         f"live LAR {r['live_lar']:.3f})")
+    ranks = max(len(r["rank_prompt_tokens"]) for _, r in runs)
+    ax.set_xticks(np.arange(ranks) + width * (len(runs) - 1) / 2, [str(i) for i in range(ranks)])
     ax.set_xlabel("DP rank")
     ax.set_ylabel("prompt tokens served")
     ax.set_title("bench-serve: DP per-rank load")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
     return fig
 
 
