@@ -13,6 +13,12 @@ Per MoE layer ``l`` (E = EP size):
 
 Scores are smoothed towards the layer prior with ``alpha`` pseudo-occurrences so that tokens
 seen once do not claim full confidence. Tables save to a directory with a JSON manifest.
+
+With replication (``placement.redundant = R > 0``) an expert may be held by several devices;
+"local on device ``e``" then means "``e`` holds a copy", so a token's shares over devices can
+sum to more than 1, and every table (and :func:`placement_device_counts`) counts copies.
+Format ``vllm-semmoe-tables/2`` adds ``redundant`` to the manifest and the ``replicas`` array;
+``/1`` tables (no replication) still load.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import numpy as np
 
 from . import __version__
 from .affinity import token_expert_counts
-from .placement import Placement
+from .placement import Placement, PlacementError
 from .trace import RoutingTrace
 
 MANIFEST = "manifest.json"
 ARRAYS = "tables.npz"
+FORMAT = "vllm-semmoe-tables/2"  # /2 adds "redundant" and the "replicas" array
+READABLE_FORMATS = ("vllm-semmoe-tables/1", FORMAT)
 
 
 class TablesError(ValueError):
@@ -97,11 +105,12 @@ class SemMoETables:
     # ---- I/O -----------------------------------------------------------------------------
     def manifest(self) -> dict:
         return {
-            "format": "vllm-semmoe-tables/1",
+            "format": FORMAT,
             "semmoe_version": __version__,
             "method": self.placement.method,
             "mode": self.mode,
             "ep_size": self.ep_size,
+            "redundant": self.placement.redundant,
             "num_layers": self.num_layers,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
@@ -117,6 +126,7 @@ class SemMoETables:
         np.savez_compressed(
             os.path.join(directory, ARRAYS),
             expert_device=self.placement.expert_device,
+            replicas=self.placement.replicas,
             t2d_tokens=self.t2d_tokens,
             t2d_score=self.t2d_score,
             markov=self.markov,
@@ -147,9 +157,19 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise TablesError(f"{directory}: unreadable tables ({exc})") from None
-    if manifest.get("format") != "vllm-semmoe-tables/1":
-        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
-    placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"])
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r} "
+                          f"(this version reads {', '.join(READABLE_FORMATS)})")
+    redundant = int(manifest.get("redundant", 0))
+    replicas = arrays.get("replicas")
+    if redundant and (replicas is None or replicas.ndim != 3 or replicas.shape[2] != redundant):
+        raise TablesError(f"{directory}: manifest says {redundant} redundant slots per device but the "
+                          f"replicas array is {None if replicas is None else replicas.shape}")
+    try:
+        placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"],
+                              replicas if redundant else None)
+    except PlacementError as exc:
+        raise TablesError(f"{directory}: invalid placement ({exc})") from None
     L, E = placement.num_layers, placement.ep_size
     expected = {
         "t2d_score": (L, len(arrays["t2d_tokens"]), E),
@@ -195,17 +215,16 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         )
     E, K = placement.ep_size, profile.top_k
     token_ids, counts = token_expert_counts(profile)  # [L, J, N]
-    dev_counts = device_counts(profile.experts, placement.expert_device, E)  # [T, L, E]
-    prior = dev_counts.sum(axis=0).astype(np.float64)  # [L, E]
-    prior /= prior.sum(axis=1, keepdims=True)
+    dev_counts = placement_device_counts(profile.experts, placement)  # [T, L, E]
+    # the layer prior: share of all activations local on each device (sums to 1 when R = 0)
+    prior = dev_counts.sum(axis=0).astype(np.float64) / max(profile.num_tokens * K, 1)  # [L, E]
     # T2D: per token, activations per device, smoothed towards the layer prior
-    onehot = np.eye(E)[placement.expert_device]  # [L, N, E]
-    per_device = np.einsum("ljn,lne->lje", counts, onehot)
+    holds = placement.holds().astype(np.float64)  # [L, N, E]
+    per_device = np.einsum("ljn,lne->lje", counts, holds)
     occurrences = counts[0].sum(axis=1) / K  # [J]
     t2d = (per_device / K + alpha * prior[:, None, :]) / (occurrences[None, :, None] + alpha)
-    markov = _markov_counts(dev_counts).astype(np.float64)  # [L, E*E, E] activations
-    seen = markov.sum(axis=2, keepdims=True) / K
-    markov = (markov / K + alpha * prior[:, None, :]) / (seen + alpha)
+    markov, seen = _markov_counts(dev_counts)  # [L, E*E, E] activations, [L, E*E] tokens
+    markov = (markov / K + alpha * prior[:, None, :]) / (seen[:, :, None] + alpha)
     markov[:2] = 0.0
     return SemMoETables(
         placement=placement,
@@ -218,6 +237,30 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         mode=mode,
         source_trace=profile.fingerprint(),
     )
+
+
+def placement_device_counts(experts: np.ndarray, placement: Placement) -> np.ndarray:
+    """``[T, L, E]`` uint8: how many of each token's top-k experts device ``e`` holds a copy of
+    (home or replica); equals :func:`device_counts` when ``placement.redundant == 0``.
+
+    experts: ``[T, L, K]``.
+    """
+    if not placement.redundant:
+        return device_counts(experts, placement.expert_device, placement.ep_size)
+    return _holding_counts(experts, placement.holds().astype(np.uint8))
+
+
+@numba.njit(cache=True)
+def _holding_counts(experts, holds):
+    T, L, K = experts.shape
+    E = holds.shape[2]
+    out = np.zeros((T, L, E), np.uint8)
+    for t in range(T):
+        for l in range(L):
+            for k in range(K):
+                for e in range(E):
+                    out[t, l, e] += holds[l, experts[t, l, k], e]
+    return out
 
 
 def device_counts(experts: np.ndarray, expert_device: np.ndarray, ep_size: int) -> np.ndarray:
@@ -256,12 +299,16 @@ def majority_device(dev_counts):
 
 @numba.njit(cache=True)
 def _markov_counts(dev_counts):
+    """``([L, E*E, E] float64 activations local per device, [L, E*E] float64 tokens)`` per
+    history ``d2 * E + d1`` (majority devices at the two previous layers)."""
     T, L, E = dev_counts.shape
     major = majority_device(dev_counts)
-    out = np.zeros((L, E * E, E), np.int64)
+    out = np.zeros((L, E * E, E))
+    seen = np.zeros((L, E * E))
     for t in range(T):
         for l in range(2, L):
             h = major[t, l - 2] * E + major[t, l - 1]
+            seen[l, h] += 1.0
             for e in range(E):
                 out[l, h, e] += dev_counts[t, l, e]
-    return out
+    return out, seen
