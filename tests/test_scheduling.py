@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,7 +72,8 @@ def test_dp_round_robin_mask_uses_each_rank_once_per_group(R, E, seed):
     rng = np.random.default_rng(seed)
     votes = rng.random((R, E))
     votes[:, 0] += 5  # everybody prefers rank 0
-    rank = scheduling.dp_assign(votes, rng.integers(1, 100, R).astype(float), 0.03, np.inf, 64, True)
+    lengths = rng.integers(1, 100, R).astype(float)
+    rank = scheduling.dp_assign(votes, lengths, lengths, 0.03, np.inf, 64, True)
     for start in range(0, R, E):
         group = rank[start : start + E]
         assert len(set(group)) == len(group)
@@ -83,7 +85,7 @@ def test_dp_prices_balance_token_load_against_a_shared_preference():
     lengths = rng.integers(5, 200, R).astype(float)
     votes = rng.random((R, E)) * lengths[:, None]
     votes[:, 3] += 0.5 * lengths  # a rank everybody likes
-    rank = scheduling.dp_assign(votes, lengths, 0.03, np.inf, 512, False)
+    rank = scheduling.dp_assign(votes, lengths, lengths, 0.03, np.inf, 512, False)
     load = np.bincount(rank, weights=lengths, minlength=E)
     assert load.max() / load.mean() < 1.10
     greedy = np.bincount(np.argmax(votes, axis=1), weights=lengths, minlength=E)
@@ -96,7 +98,7 @@ def test_dp_hard_guard_caps_window_load():
     lengths = rng.integers(10, 20, R).astype(float)
     votes = np.zeros((R, E))
     votes[:, 0] = lengths  # rank 0 always best, prices off
-    rank = scheduling.dp_assign(votes, lengths, 0.0, 0.10, 100, False)
+    rank = scheduling.dp_assign(votes, lengths, lengths, 0.0, 0.10, 100, False)
     for end in range(200, R, 100):
         window = slice(end - 100, end)
         load = np.bincount(rank[window], weights=lengths[window], minlength=E)
@@ -108,3 +110,45 @@ def test_request_votes_sum_over_tokens_and_layers():
     oov = np.array([[0.5, 0.5], [0.5, 0.5]], np.float32)
     votes = scheduling.request_votes(np.array([0, 1, -1]), np.array([0, 2, 3]), t2d, oov)
     np.testing.assert_allclose(votes, [[1.5, 2.5], [1.0, 1.0]])
+
+
+def test_request_work_adds_the_decode_weight():
+    np.testing.assert_allclose(scheduling.request_work(np.array([0, 10, 300]), 128.0), [129.0, 138.0, 428.0])
+    assert scheduling.balance_window(8) == 256
+
+
+def test_window_imbalance_per_window_not_cumulative():
+    # two windows, each all on one rank but on different ranks: cumulative balance would be
+    # perfect, every window is maximally skewed
+    rank = np.array([0] * 4 + [1] * 4)
+    work = np.ones(8)
+    assert scheduling.window_imbalance(rank, work, 2, 4) == pytest.approx(2.0)
+    assert scheduling.window_imbalance(np.array([0, 1] * 4), work, 2, 4) == pytest.approx(1.0)
+    # fewer requests than a window: one (partial) window
+    assert scheduling.window_imbalance(np.array([0, 0, 1]), np.ones(3), 2, 256) == pytest.approx(4 / 3)
+
+
+def test_least_loaded_balances_in_window_work_and_round_robin_counts():
+    rng = np.random.default_rng(3)
+    work = rng.pareto(1.5, 3000) * 50 + 130  # long-tailed prompts plus a decode weight
+    least = scheduling.least_loaded_assign(work, 8, 256)
+    robin = scheduling.round_robin_assign(3000, 8)
+    assert scheduling.window_imbalance(least, work, 8, 256) < scheduling.window_imbalance(robin, work, 8, 256)
+    assert scheduling.window_imbalance(robin, np.ones(3000), 8, 256) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.05])
+def test_dp_knob_eps_keeps_window_work_near_least_loaded(eps):
+    """A strong shared preference for one rank: the eps guard keeps the lock-step balance close
+    to the locality-blind least-loaded balancer's, and eps = inf does not."""
+    rng = np.random.default_rng(7)
+    R, E, W = 3000, 8, 256
+    lengths = np.floor(rng.pareto(1.5, R) * 40 + 2)
+    work = scheduling.request_work(lengths, 128.0)
+    votes = rng.random((R, E)) * lengths[:, None]
+    votes[:, 2] += 2.0 * lengths  # every request prefers rank 2
+    least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, W), work, E, W)
+    ours = scheduling.window_imbalance(scheduling.dp_assign(votes, lengths, work, 0.03, eps, W, False), work, E, W)
+    free = scheduling.window_imbalance(scheduling.dp_assign(votes, lengths, work, 0.0, np.inf, W, False), work, E, W)
+    assert ours <= 1.05 * least
+    assert free > 1.5 * least

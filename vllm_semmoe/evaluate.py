@@ -287,3 +287,33 @@ def aggregate_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
             sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
             out[name][key] = {"mean": float(np.mean(values)), "sd": sd, "per_seed": values}
     return out
+
+
+def placement_cache(directory: str):
+    """A ``solve_cache`` for :func:`compare_methods` that stores placements as ``.npz`` files
+    under ``directory``, keyed by the solve's inputs and a hash of the solver source files (so
+    an edited solver never reads a stale placement)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from . import policy as policy_pkg
+
+    sources = sorted(Path(policy_pkg.__file__).parent.glob("*.py")) + [Path(scheduling.__file__)]
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+
+    def cached(key: str, solve):
+        path = os.path.join(directory, f"{key}-{code}.npz")
+        if os.path.exists(path):
+            with np.load(path) as data:
+                replicas = data["replicas"] if data["replicas"].shape[2] else None
+                return Placement(data["expert_device"], int(data["ep_size"]), str(data["method"]), replicas)
+        placement = solve()
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, expert_device=placement.expert_device, replicas=placement.replicas,
+                 ep_size=placement.ep_size, method=placement.method)
+        os.replace(tmp, path)
+        return placement
+
+    return cached
