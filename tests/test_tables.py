@@ -97,3 +97,31 @@ def test_replicated_round_trip_and_format_1_still_loads(replicated, tables, tmp_
     old = load_tables(tmp_path / "old", num_layers=26, num_experts=64, ep_size=8)
     assert old.placement.redundant == 0
     np.testing.assert_array_equal(old.placement.expert_device, tables.placement.expert_device)
+
+
+def test_unseen_tokens_take_their_nearest_profiled_neighbour(small_trace, tmp_path):
+    """The paper's OOV rule: with the model's embedding, an unseen id reads the T2D row of the
+    profiled token closest in cosine similarity; without it, -1 (the layer prior)."""
+    from vllm_semmoe.tables import nearest_profiled_rows
+
+    profiled = np.unique(small_trace.tokens)
+    V = int(profiled.max()) + 10
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(V, 16)).astype(np.float32)
+    unseen = np.setdiff1d(np.arange(V), profiled)[:5]
+    twins = profiled[[3, 7, 11, 13, 17]]
+    emb[unseen] = 2.5 * emb[twins] + 0.01 * rng.normal(size=(5, 16))  # near-parallel copies
+    rows = nearest_profiled_rows(emb, profiled)
+    np.testing.assert_array_equal(rows[unseen], [3, 7, 11, 13, 17])
+    np.testing.assert_array_equal(rows[profiled], np.arange(len(profiled)))
+    placement = get_policy("vanilla").solve(small_trace, 8)
+    plain = build_tables(small_trace, placement)
+    nearest = build_tables(small_trace, placement, embedding=emb)
+    assert np.all(plain.token_rows(unseen) == -1)
+    np.testing.assert_array_equal(nearest.token_rows(np.append(unseen, 10**7)), [3, 7, 11, 13, 17, -1])
+    nearest.save(tmp_path / "n")
+    back = load_tables(tmp_path / "n")
+    np.testing.assert_array_equal(back.token_rows(unseen), [3, 7, 11, 13, 17])
+    assert json.loads((tmp_path / "n" / "manifest.json").read_text())["oov"] == "nearest"
+    with pytest.raises(TablesError, match="outside the embedding"):
+        nearest_profiled_rows(emb[:10], profiled)

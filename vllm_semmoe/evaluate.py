@@ -210,7 +210,7 @@ def _dp_ranks(trace, tables, ep_size, config):
 
 def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, methods: list[str],
                     config: EvalConfig, *, seed: int = 0, redundant: int = 0, progress=None,
-                    solve_cache=None) -> dict[str, dict]:
+                    solve_cache=None, embedding: np.ndarray | None = None) -> dict[str, dict]:
     """Solve every method on ``profile`` and evaluate it on ``trace`` side by side.
 
     Each row holds :func:`evaluate`'s figures for the method as deployed (``semmoe`` with its
@@ -223,6 +223,8 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
 
     ``solve_cache``: optional ``callable(key: str, solve: () -> Placement) -> Placement`` that
     may return a stored placement for ``key`` instead of solving (tests cache solves with it).
+    ``embedding``: optional ``[V, H]`` model embedding; unseen tokens then use their nearest
+    profiled neighbour (:func:`.tables.nearest_profiled_rows`).
     """
     config = _with_decode_weight(config, profile)
     rows = {}
@@ -240,7 +242,7 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
             key = f"{name}-{profile.fingerprint()}-ep{ep_size}-{config.mode}-s{seed}-r{R}"
             placement = solve_cache(key, solve)
         solve_s = time.perf_counter() - start
-        tables = build_tables(profile, placement, mode=config.mode)
+        tables = build_tables(profile, placement, mode=config.mode, embedding=embedding)
         scheduled = evaluate(trace, placement, tables, config)
         row = scheduled if name == "semmoe" else evaluate(trace, placement, None, config)
         row = dict(row, lar_with_semmoe_sched=scheduled["lar"], solve_s=solve_s, redundant=R,

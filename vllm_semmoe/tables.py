@@ -59,6 +59,10 @@ class SemMoETables:
     vocab_size: int
     mode: str
     source_trace: str
+    #: ``[V]`` int32 optional: row used for a token id that was never profiled (its nearest
+    #: profiled neighbour in the model's embedding space, :func:`nearest_profiled_rows`);
+    #: ``None``: unseen tokens use ``oov_score``
+    oov_rows: np.ndarray | None = None
 
     @property
     def ep_size(self) -> int:
@@ -83,12 +87,17 @@ class SemMoETables:
         return self.t2d_score.max(axis=2).astype(np.float32)
 
     def token_rows(self, tokens: np.ndarray) -> np.ndarray:
-        """``[T]`` int64 row of each token id in ``t2d_score``; ``-1`` for unseen tokens."""
+        """``[T]`` int64 row of each token id in ``t2d_score``; for unseen tokens the row of
+        their nearest profiled neighbour when ``oov_rows`` is set, else ``-1``."""
         tokens = np.asarray(tokens, np.int64)
         pos = np.searchsorted(self.t2d_tokens, tokens)
         pos = np.minimum(pos, max(len(self.t2d_tokens) - 1, 0))
         found = (len(self.t2d_tokens) > 0) & (self.t2d_tokens[pos] == tokens)
-        return np.where(found, pos, -1)
+        rows = np.where(found, pos, -1)
+        if self.oov_rows is not None:
+            known = ~found & (tokens >= 0) & (tokens < len(self.oov_rows))
+            rows[known] = self.oov_rows[tokens[known]]
+        return rows
 
     def check_compatible(self, *, num_layers: int, num_experts: int, ep_size: int | None = None) -> None:
         """Raise :class:`TablesError` naming each mismatch with the running model/EP size."""
@@ -116,6 +125,7 @@ class SemMoETables:
             "top_k": self.top_k,
             "vocab_size": self.vocab_size,
             "profiled_tokens": int(len(self.t2d_tokens)),
+            "oov": "prior" if self.oov_rows is None else "nearest",
             "source_trace": self.source_trace,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -131,6 +141,7 @@ class SemMoETables:
             t2d_score=self.t2d_score,
             markov=self.markov,
             oov_score=self.oov_score,
+            **({} if self.oov_rows is None else {"oov_rows": self.oov_rows}),
         )
         with open(os.path.join(directory, MANIFEST), "w") as f:
             json.dump(self.manifest(), f, indent=2)
@@ -189,6 +200,7 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
         vocab_size=int(manifest["vocab_size"]),
         mode=manifest["mode"],
         source_trace=manifest["source_trace"],
+        oov_rows=arrays.get("oov_rows"),
     )
     if num_layers is not None or num_experts is not None:
         tables.check_compatible(
@@ -200,13 +212,16 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
 
 
 def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp",
-                 alpha: float = 1.0) -> SemMoETables:
+                 alpha: float = 1.0, embedding: np.ndarray | None = None) -> SemMoETables:
     """Derive T2D, A and the OOV default from a profile trace and a placement.
 
     Args:
         profile: the calibration trace.
         placement: the expert placement the tables describe.
         alpha: smoothing, in pseudo-occurrences of the layer prior.
+        embedding: optional ``[V, H]`` input embedding matrix of the model; then a token never
+            profiled takes the T2D row of its nearest profiled neighbour (the paper's rule,
+            :func:`nearest_profiled_rows`) instead of the layer prior.
     """
     if placement.num_layers != profile.num_layers or placement.num_experts != profile.num_experts:
         raise TablesError(
@@ -236,7 +251,34 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         vocab_size=profile.vocab_size,
         mode=mode,
         source_trace=profile.fingerprint(),
+        oov_rows=None if embedding is None else nearest_profiled_rows(embedding, token_ids),
     )
+
+
+def nearest_profiled_rows(embedding: np.ndarray, profiled: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """``[V]`` int32: for every token id, the T2D row of its nearest profiled token by cosine
+    similarity of input embeddings (a profiled token maps to its own row).
+
+    Args:
+        embedding: ``[V, H]`` the model's input embedding matrix.
+        profiled: ``[J]`` ascending profiled token ids (``t2d_tokens``), all ``< V``.
+    """
+    emb = np.asarray(embedding, np.float32)
+    if emb.ndim != 2:
+        raise TablesError(f"embedding: expected [V, H], got shape {emb.shape}")
+    profiled = np.asarray(profiled, np.int64)
+    if len(profiled) == 0:
+        raise TablesError("no profiled tokens to map unseen tokens to")
+    if profiled.max() >= len(emb):
+        raise TablesError(f"profiled token id {profiled.max()} is outside the embedding's {len(emb)} rows; "
+                          "is the embedding from the model that produced the trace?")
+    unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    keys = np.ascontiguousarray(unit[profiled].T)  # [H, J]
+    rows = np.empty(len(emb), np.int32)
+    for start in range(0, len(emb), chunk):
+        rows[start:start + chunk] = np.argmax(unit[start:start + chunk] @ keys, axis=1)
+    rows[profiled] = np.arange(len(profiled))
+    return rows
 
 
 def placement_device_counts(experts: np.ndarray, placement: Placement) -> np.ndarray:

@@ -111,7 +111,7 @@ def cmd_solve(args) -> int:
     placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed,
                                               redundant=args.redundant, progress=Progress())
     solve_s = time.perf_counter() - start
-    tables = build_tables(profile, placement, mode=args.mode)
+    tables = build_tables(profile, placement, mode=args.mode, embedding=_embedding(args))
     tables.save(args.out)
     replicas = (f", {placement.redundant} redundant slot(s) per device ({placement.experts_per_device} "
                 f"physical experts per rank)" if placement.redundant else "")
@@ -153,13 +153,15 @@ def cmd_eval(args) -> int:
                         dp_eps=args.dp_eps, dp_price_step=args.dp_price_step,
                         round_robin_mask=args.round_robin_mask, dp_decode_weight=args.dp_decode_weight)
     seeds = args.seeds or [args.seed]
+    embedding = _embedding(args)
     per_seed, curve_per_seed, split = [], [], None
     for seed in seeds:
         args.seed = seed
         profile, trace = load_split(args)
         split = split or (profile, trace)
         per_seed.append(compare_methods(profile, trace, args.ep, args.method, config, seed=seed,
-                                        redundant=args.redundant, progress=Progress()))
+                                        redundant=args.redundant, progress=Progress(),
+                                        embedding=embedding))
         if args.dp_eps_curve:
             curve_per_seed.append(_dp_curve(profile, trace, args, config, seed))
     rows = aggregate_seeds(per_seed) if args.seeds else per_seed[0]
@@ -172,6 +174,7 @@ def cmd_eval(args) -> int:
         print(format_curve(curve))
     if args.json:
         payload = {"mode": args.mode, "ep": args.ep, "redundant": args.redundant,
+                   "oov": "nearest" if embedding is not None else "prior",
                    "config": replace(config).__dict__, "methods": rows}
         if args.seeds:
             payload["seeds"] = seeds
@@ -181,6 +184,15 @@ def cmd_eval(args) -> int:
             payload["dp_curve"] = curve
         write_json(args.json, payload)
     return 0
+
+
+def _embedding(args):
+    """The ``--oov-neighbours`` checkpoint's input embedding matrix, or ``None``."""
+    if not getattr(args, "oov_neighbours", None):
+        return None
+    from ..affinity import checkpoint_embedding
+
+    return checkpoint_embedding(args.oov_neighbours)
 
 
 def _dp_curve(profile, trace, args, config, seed) -> dict:
@@ -199,7 +211,7 @@ def _dp_curve(profile, trace, args, config, seed) -> dict:
     curve = {}
     for eps in args.dp_eps_curve:
         row = compare_methods(profile, trace, args.ep, ["semmoe"], replace(config, dp_eps=eps), seed=seed,
-                              redundant=args.redundant, solve_cache=once)["semmoe"]
+                              redundant=args.redundant, solve_cache=once, embedding=_embedding(args))["semmoe"]
         curve[f"eps={eps:g}"] = {k: row[k] for k in ("lar", *DP_COLUMNS)}
     return curve
 
@@ -277,6 +289,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--redundant", type=int, default=0, metavar="R",
                    help="replica slots per device for locality (semmoe only; vLLM EPLB layout, "
                         "num_redundant_experts = EP x R; default 0)")
+    p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
+                   help="map tokens never profiled to their nearest profiled token in this checkpoint's "
+                        "input-embedding space (the paper's rule; default: the layer prior)")
     p.add_argument("--out", required=True, help="output directory for tables.npz + manifest.json")
     p.set_defaults(func=cmd_solve)
 
@@ -290,6 +305,9 @@ def add_parsers(sub) -> None:
                         "(JSON: {'mean', 'sd', 'per_seed'}); e.g. 0,1,2,3,4")
     p.add_argument("--redundant", type=int, default=0, metavar="R",
                    help="replica slots per device for methods that replicate (semmoe; default 0)")
+    p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
+                   help="map tokens never profiled to their nearest profiled token in this checkpoint's "
+                        "input-embedding space (the paper's rule; default: the layer prior)")
     p.add_argument("--ep", type=int, default=8)
     p.add_argument("--mode", default="tp", choices=("tp", "dp"))
     p.add_argument("--method", default="all", type=method_list,
