@@ -75,7 +75,7 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     else:
         rank, imbalance = _dp_ranks(trace, tables, E, config)
         extra = dp_balance(trace, rank, E, config)
-        device = np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
+        device = _request_devices(trace, rank)
         per_request = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), trace.offsets[:-1], axis=0)
         oracle = per_request.max(axis=1).sum()
     local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
@@ -92,6 +92,21 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
         "expert_imbalance": float((expert_load.max(axis=1) / expert_load.mean(axis=1)).mean()),
         **extra,
     }
+
+
+def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
+                      config: EvalConfig) -> np.ndarray:
+    """``[T, L]`` int64 device each token is processed on at each layer under ``config``'s
+    data scheduling (Sem-MoE's with ``tables``, else the engines' default)."""
+    if config.mode == "tp":
+        counts = placement_device_counts(trace.experts, placement)
+        return _tp_devices(trace, counts, tables, placement.ep_size, config.batch_tokens)[0]
+    return _request_devices(trace, _dp_ranks(trace, tables, placement.ep_size, config)[0])
+
+
+def _request_devices(trace: RoutingTrace, rank: np.ndarray) -> np.ndarray:
+    """``[T, L]``: every token of request ``r`` on ``rank[r]`` at every layer."""
+    return np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
 
 
 @numba.njit(cache=True)
@@ -293,18 +308,28 @@ def aggregate_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
 
 def placement_cache(directory: str):
     """A ``solve_cache`` for :func:`compare_methods` that stores placements as ``.npz`` files
-    under ``directory``, keyed by the solve's inputs and a hash of the solver source files (so
-    an edited solver never reads a stale placement)."""
+    under ``directory``, keyed by the solve's inputs and a hash of the solver's source files
+    (so an edited solver never reads a stale placement)."""
     import hashlib
     import os
     from pathlib import Path
 
     from . import policy as policy_pkg
 
-    sources = sorted(Path(policy_pkg.__file__).parent.glob("*.py")) + [Path(scheduling.__file__)]
-    code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    here = Path(__file__).parent
+    policy_dir = Path(policy_pkg.__file__).parent
+    baseline = [p for p in sorted(policy_dir.glob("*.py")) if p.name != "semmoe.py"]
+    # Sem-MoE's solve also simulates the online scheduler with tables (replicas for locality)
+    semmoe = baseline + [policy_dir / "semmoe.py"] + [here / f for f in
+                                                      ("scheduling.py", "tables.py", "evaluate.py", "affinity.py")]
+
+    def digest(files):
+        return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
+
+    codes = {"semmoe": digest(semmoe), "": digest(baseline)}
 
     def cached(key: str, solve):
+        code = codes["semmoe"] if key.startswith("semmoe-") else codes[""]
         path = os.path.join(directory, f"{key}-{code}.npz")
         if os.path.exists(path):
             with np.load(path) as data:
