@@ -37,9 +37,9 @@ from .policy import get_policy
 from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
 from .trace import RoutingTrace
 
-#: default of the DP locality-vs-balance knob :attr:`EvalConfig.dp_eps` (chosen on a split of
-#: the seed-0 profile only; see benchmarks/SEEDS.md)
-DEFAULT_DP_EPS = 0.05
+#: default of the DP locality-vs-balance knob :attr:`EvalConfig.dp_balance` (chosen on the
+#: profiled requests only; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,8 @@ class EvalConfig:
     batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
     # 0 = one batch per request of the trace (a live capture in engine-step order)
     dp_window: int | None = None  # DP: requests in a balance window; None = 32 × ranks
-    dp_eps: float = DEFAULT_DP_EPS  # DP: locality-vs-balance knob: a rank's work over the window
-    # may exceed the mean by this share (0 = least-loaded with locality tie-breaks; inf = off)
-    dp_price_step: float = 0.03  # DP: rank-price step (balances load by preference strength)
+    dp_balance: float = DEFAULT_DP_BALANCE  # DP: locality-vs-balance knob (scheduling.dp_choose_balanced):
+    # relative preference given up per mean request of work above the least-loaded rank
     round_robin_mask: bool = False  # DP: the paper's mask instead of the work rule
     dp_decode_weight: float | None = None  # DP: decode work per request (None: profile's mean
     # output length where the profile has decode tokens, else scheduling.DEFAULT_DECODE_WEIGHT)
@@ -217,8 +216,8 @@ def _dp_ranks(trace, tables, ep_size, config):
             tables.oov_score,
         )
         work = scheduling.request_work(lengths, decode_weight(None, config))
-        rank = scheduling.dp_assign(votes, lengths, work, config.dp_price_step, config.dp_eps,
-                                    config.window(ep_size), config.round_robin_mask)
+        rank = scheduling.dp_assign(votes, work, config.dp_balance, config.window(ep_size),
+                                    config.round_robin_mask)
     load = np.bincount(rank, weights=lengths, minlength=ep_size)
     return rank, float(load.max() / load.mean())
 

@@ -9,8 +9,8 @@ local on each device" as stored in :class:`~vllm_semmoe.tables.SemMoETables`.
   next-best rank; :func:`shuffle_permutation` turns the result into the permutation applied by
   the shuffled reduce-scatter and its inverse (applied by the shuffled all-gather).
 - Attention-DP (inter-request): :func:`request_votes` sums T2D votes over a prompt;
-  :func:`dp_assign` picks ranks under a work balance rule over a sliding window
-  (:func:`request_work`: prompt tokens plus a decode weight); :func:`least_loaded_assign` and
+  :func:`dp_assign` picks ranks by :func:`dp_choose_balanced` (locality against the
+  ranks' work, :func:`request_work`: prompt tokens plus a decode weight); :func:`least_loaded_assign` and
   :func:`round_robin_assign` are the locality-blind references, :func:`window_imbalance` the
   lock-step balance figure.
 """
@@ -272,32 +272,63 @@ def balance_window(ep_size: int) -> int:
 
 
 @numba.njit(cache=True)
-def dp_assign(votes, lengths, work, price_step, eps, window, round_robin_mask):
+def dp_choose_balanced(votes, load, mean_work, balance):
+    """One online DP decision for lock-stepped ranks: the rank maximising
+
+        votes[e] / max(votes)  -  balance · (load[e] - min(load)) / mean_work,
+
+    i.e. relative locality preference minus a penalty per mean request of work the rank
+    carries beyond the least-loaded one. ``balance = 0`` is pure locality; a large ``balance``
+    is the least-loaded balancer (locality then only breaks ties). A request with flat votes
+    (unseen tokens) goes to the least-loaded rank; one with a strong preference pays for it.
+
+    Args:
+        votes: ``[E]`` predicted local activations per rank (:func:`request_votes`).
+        load: ``[E]`` work per rank now: in serving the in-flight work (prompt plus tokens
+            generated so far of running requests); offline the work of the rank's requests among
+            the last ``W`` (see :func:`dp_assign`).
+        mean_work: the mean work of one request (scales ``load``).
+        balance: the locality-vs-balance knob.
+    Returns:
+        The chosen rank (ties → lowest).
+    """
+    E = votes.shape[0]
+    top = max(votes.max(), 1e-30)
+    low = load.min()
+    scale = balance / max(mean_work, 1e-30)
+    chosen = 0
+    best = -np.inf
+    for e in range(E):
+        value = votes[e] / top - scale * (load[e] - low)
+        if value > best:
+            best, chosen = value, e
+    return chosen
+
+
+@numba.njit(cache=True)
+def dp_assign(votes, work, balance, window, round_robin_mask):
     """Choose a DP rank per request, in arrival order (no look-ahead), by T2D votes, balanced.
 
-    Each request goes through :func:`dp_choose` (price-balanced votes) among the *eligible*
-    ranks: those whose work over the last ``window`` requests, plus this request's, stays within
-    ``(1 + eps)`` times the mean (the locality-vs-balance knob: ``eps = 0`` is a least-loaded
-    balancer that uses locality only to break near-ties, ``eps = inf`` pure locality under the
-    soft prices). If no rank qualifies, the least-loaded one is taken.
+    Each request goes through :func:`dp_choose_balanced` with every rank's work over the last
+    ``window`` requests (a stand-in for in-flight work: requests finish roughly in arrival
+    order) and the mean request work so far.
 
     With ``round_robin_mask`` the paper's rule is used instead: within every ``E``
     consecutive requests each rank is chosen once (best-voted free rank, arrival order).
 
     Args:
-        votes: ``[R, E]`` predicted local activations per rank; lengths: ``[R]`` prompt tokens
-            (normalise the votes); work: ``[R]`` what the balance counts (:func:`request_work`).
+        votes: ``[R, E]`` predicted local activations per rank; work: ``[R]`` what the balance
+            counts (:func:`request_work`); balance: the locality-vs-balance knob.
     Returns:
         ``[R]`` int64 rank per request.
     """
     R, E = votes.shape
     rank = np.empty(R, np.int64)
     load = np.zeros(E)
-    state = np.zeros(E + 2)
     eligible = np.ones(E, np.bool_)
+    total = 0.0
     for r in range(R):
-        x = max(lengths[r], 1.0)
-        w = work[r]
+        total += work[r]
         if round_robin_mask:
             if r % E == 0:
                 eligible[:] = True
@@ -308,16 +339,8 @@ def dp_assign(votes, lengths, work, price_step, eps, window, round_robin_mask):
                     eligible[ranking[k]] = False
                     break
         else:
-            limit = (1.0 + eps) * (load.sum() + w) / E
-            any_fits = False
-            for e in range(E):
-                eligible[e] = load[e] + w <= limit
-                any_fits = any_fits or eligible[e]
-            if any_fits:
-                rank[r] = dp_choose(votes[r], x, state, price_step, eligible)
-            else:
-                rank[r] = np.argmin(load)
-        load[rank[r]] += w
+            rank[r] = dp_choose_balanced(votes[r], load, total / (r + 1), balance)
+        load[rank[r]] += work[r]
         if r >= window:
             load[rank[r - window]] -= work[r - window]
     return rank

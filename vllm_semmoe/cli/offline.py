@@ -135,7 +135,7 @@ def seed_list(value: str) -> list[int]:
 
 
 def float_list(value: str) -> list[float]:
-    """argparse type of ``eval --dp-eps-curve``: comma-separated numbers (``inf`` allowed)."""
+    """argparse type of ``eval --dp-balance-curve``: comma-separated numbers."""
     try:
         return [float(s) for s in value.split(",") if s.strip()]
     except ValueError:
@@ -150,7 +150,7 @@ def cmd_eval(args) -> int:
     if args.seeds and args.eval:
         raise SystemExit("semmoe: --seeds re-splits --profile per seed; it cannot be used with --eval")
     config = EvalConfig(mode=args.mode, batch_tokens=args.batch_tokens, dp_window=args.dp_window,
-                        dp_eps=args.dp_eps, dp_price_step=args.dp_price_step,
+                        dp_balance=args.dp_balance,
                         round_robin_mask=args.round_robin_mask, dp_decode_weight=args.dp_decode_weight)
     seeds = args.seeds or [args.seed]
     embedding = _embedding(args)
@@ -162,14 +162,14 @@ def cmd_eval(args) -> int:
         per_seed.append(compare_methods(profile, trace, args.ep, args.method, config, seed=seed,
                                         redundant=args.redundant, progress=Progress(),
                                         embedding=embedding))
-        if args.dp_eps_curve:
+        if args.dp_balance_curve:
             curve_per_seed.append(_dp_curve(profile, trace, args, config, seed))
     rows = aggregate_seeds(per_seed) if args.seeds else per_seed[0]
     print(format_eval_table(rows, args, *split))
     if args.mode == "dp":
         print(format_dp_table(rows))
     curve = None
-    if args.dp_eps_curve:
+    if args.dp_balance_curve:
         curve = aggregate_seeds(curve_per_seed) if args.seeds else curve_per_seed[0]
         print(format_curve(curve))
     if args.json:
@@ -196,7 +196,7 @@ def _embedding(args):
 
 
 def _dp_curve(profile, trace, args, config, seed) -> dict:
-    """Sem-MoE's DP LAR and balance for every knob value of ``--dp-eps-curve`` (one solve)."""
+    """Sem-MoE's DP LAR and balance for every knob value of ``--dp-balance-curve`` (one solve)."""
     from dataclasses import replace
 
     from ..evaluate import compare_methods
@@ -209,10 +209,10 @@ def _dp_curve(profile, trace, args, config, seed) -> dict:
         return solved["p"]
 
     curve = {}
-    for eps in args.dp_eps_curve:
-        row = compare_methods(profile, trace, args.ep, ["semmoe"], replace(config, dp_eps=eps), seed=seed,
+    for knob in args.dp_balance_curve:
+        row = compare_methods(profile, trace, args.ep, ["semmoe"], replace(config, dp_balance=knob), seed=seed,
                               redundant=args.redundant, solve_cache=once, embedding=_embedding(args))["semmoe"]
-        curve[f"eps={eps:g}"] = {k: row[k] for k in ("lar", *DP_COLUMNS)}
+        curve[f"balance={knob:g}"] = {k: row[k] for k in ("lar", *DP_COLUMNS)}
     return curve
 
 
@@ -256,7 +256,7 @@ def format_dp_table(rows: dict) -> str:
 
 def format_curve(curve: dict) -> str:
     """Sem-MoE's LAR against its window imbalance, one line per value of the DP knob."""
-    lines = ["locality vs balance (semmoe, DP knob --dp-eps):",
+    lines = ["locality vs balance (semmoe, DP knob --dp-balance):",
              f"{'knob':<12}{'lar':>17}{'window_imbalance':>19}{'/ least-loaded':>16}{'request_imbalance':>19}"]
     for knob, row in curve.items():
         ratio = _mean(row["window_imbalance"]) / _mean(row["window_imbalance_least_loaded"])
@@ -268,7 +268,7 @@ def format_curve(curve: dict) -> str:
 # ---- parsers -----------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """Register ``analyze``, ``solve`` and ``eval`` on the ``semmoe`` sub-parser set."""
-    from ..evaluate import DEFAULT_DP_EPS
+    from ..evaluate import DEFAULT_DP_BALANCE
 
     methods = method_names()
 
@@ -315,15 +315,15 @@ def add_parsers(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")
     p.add_argument("--dp-window", type=int, default=None,
                    help="DP: requests per balance window (default 32 x ranks)")
-    p.add_argument("--dp-eps", type=float, default=DEFAULT_DP_EPS,
-                   help="DP: locality-vs-balance knob: a rank's work over the window may exceed the mean by "
-                        f"this share (0: least-loaded with locality tie-breaks; inf: off; default {DEFAULT_DP_EPS})")
-    p.add_argument("--dp-eps-curve", type=float_list, default=None, metavar="EPS,EPS,...",
+    p.add_argument("--dp-balance", type=float, default=DEFAULT_DP_BALANCE,
+                   help="DP: locality-vs-balance knob: relative preference a request gives up per mean request "
+                        "of work a rank carries above the least-loaded one (0: pure locality; large: "
+                        f"least-loaded; default {DEFAULT_DP_BALANCE})")
+    p.add_argument("--dp-balance-curve", type=float_list, default=None, metavar="B,B,...",
                    help="DP: also report semmoe's LAR against window imbalance for each knob value")
     p.add_argument("--dp-decode-weight", type=float, default=None,
                    help="DP: decode work per request in tokens (default: the profile's mean output length, "
                         "128 where the profile has no decode tokens)")
-    p.add_argument("--dp-price-step", type=float, default=0.03, help="DP: rank-price step of the balance rule")
     p.add_argument("--round-robin-mask", action="store_true", help="DP: the paper's round-robin mask instead")
     add_json_argument(p)
     p.set_defaults(func=cmd_eval)
