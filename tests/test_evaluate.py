@@ -113,10 +113,10 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
     small_trace.save(path)
     out = tmp_path / "e.json"
     assert main(["eval", "--profile", str(path), "--profile-frac", "0.3", "--seeds", "0,1", "--mode", "dp",
-                 "--method", "vanilla,semmoe", "--redundant", "1", "--dp-eps-curve", "0,inf",
+                 "--method", "vanilla,semmoe", "--redundant", "1", "--dp-balance-curve", "0,1",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "±" in printed and "window_imbalance_least_loaded" in printed and "eps=inf" in printed
+    assert "±" in printed and "window_imbalance_least_loaded" in printed and "balance=1" in printed
     payload = json.loads(out.read_text())
     assert payload["seeds"] == [0, 1] and payload["redundant"] == 1
     lar = payload["methods"]["semmoe"]["lar"]
@@ -126,6 +126,6 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
     for key in ("window_imbalance", "window_imbalance_least_loaded", "window_imbalance_round_robin",
                 "request_imbalance"):
         assert len(payload["methods"]["semmoe"][key]["per_seed"]) == 2
-    assert set(payload["dp_curve"]) == {"eps=0", "eps=inf"}
+    assert set(payload["dp_curve"]) == {"balance=0", "balance=1"}
     assert main(["solve", "--trace", str(path), "--ep", "8", "--redundant", "2", "--out", str(tmp_path / "t")]) == 0
     assert "2 redundant slot(s) per device (10 physical experts per rank)" in capsys.readouterr().out
