@@ -79,3 +79,22 @@ def test_cost_table_ratios_and_errors():
         cost_table(counts, hardware=("tpu",))
     assert set(HARDWARE) >= {"1-node-nvlink", "2-node-ib400"}
     assert HARDWARE["2-node-ib400"].network_bytes_s == 50e9  # 400 Gb/s
+
+
+def test_semmoe_cost_command_models_every_method_on_real_routing(dev_trace_path, tmp_path, capsys):
+    import json
+
+    from vllm_semmoe.cli import main
+
+    out = tmp_path / "cost.json"
+    assert main(["cost", "--trace", str(dev_trace_path), "--ep", "4", "--mode", "dp", "--method", "vanilla,semmoe",
+                 "--layers", "3", "--max-batches", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["cost"]) == set(HARDWARE)
+    for rows in result["cost"].values():
+        assert set(rows) == {"vanilla", "semmoe"} and rows["vanilla"]["time_ratio_vs_vanilla"] == 1.0
+        assert all(r["total_us"] > r["experts_us"] > 0 for r in rows.values())
+    # more locality, fewer rows dispatched per token
+    assert result["methods"]["semmoe"]["lar"] > result["methods"]["vanilla"]["lar"]
+    assert "2-node-ib400" in capsys.readouterr().out
+    assert main(["cost", "--trace", str(dev_trace_path), "--hardware", "tpu"]) == 2

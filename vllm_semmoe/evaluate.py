@@ -83,14 +83,18 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
         expert_load = _served_load(trace.experts, device, placement.holds().astype(np.uint8))
     else:
         expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
-    return {
+    out = {
         "lar": float(local.sum() / activations),
         "lar_token": float((local > 0).mean()),
         "oracle_lar": float(oracle / activations),
         "imbalance": float(imbalance),
         "expert_imbalance": float((expert_load.max(axis=1) / expert_load.mean(axis=1)).mean()),
+        "lar_per_layer": (local.sum(axis=0) / (trace.num_tokens * trace.top_k)).tolist(),  # [L]
         **extra,
     }
+    if config.mode == "dp":
+        out["rank_load_curve"] = rank_load_curve(rank, np.diff(trace.offsets), E)
+    return out
 
 
 def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
@@ -158,6 +162,20 @@ def dp_balance(trace: RoutingTrace, rank: np.ndarray, ep_size: int, config: "Eva
         "window_imbalance_round_robin": scheduling.window_imbalance(robin, work, ep_size, W),
         "request_imbalance": scheduling.window_imbalance(rank, np.ones(len(work)), ep_size, W),
     }
+
+
+def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points: int = 50) -> dict:
+    """DP per-rank load over time: cumulative prompt tokens per rank after request ``i``.
+
+    Args: ``rank`` ``[R]`` rank of each request (arrival order), ``lengths`` ``[R]`` its tokens.
+    Returns ``{"requests": [P] request counts, "tokens": [P, E] cumulative tokens per rank}``
+    at ``P <= points`` evenly spaced requests (for plots; the last point is the total).
+    """
+    per_rank = np.zeros((len(rank), ep_size), np.int64)
+    per_rank[np.arange(len(rank)), rank] = lengths
+    cumulative = per_rank.cumsum(axis=0)
+    at = np.unique(np.linspace(0, len(rank) - 1, min(points, len(rank))).round().astype(np.int64))
+    return {"requests": (at + 1).tolist(), "tokens": cumulative[at].tolist()}
 
 
 def _tp_devices(trace, counts, tables, ep_size, batch_tokens):
@@ -293,15 +311,24 @@ def compare_seeds(trace: RoutingTrace, profile_frac: float, seeds: list[int], ep
 def aggregate_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
     """``[{method: {key: value}}]`` per seed → ``{method: {key: {"mean", "sd", "per_seed"}}}``.
 
-    ``sd`` is the sample standard deviation (``ddof=1``; 0 for one seed).
+    ``sd`` is the sample standard deviation (``ddof=1``; 0 for one seed). A list-valued figure
+    (``lar_per_layer``) is aggregated element-wise; any other figure (``rank_load_curve``) keeps
+    only ``per_seed``.
     """
     out = {}
     for name in per_seed[0]:
         out[name] = {}
         for key in per_seed[0][name]:
-            values = [float(rows[name][key]) for rows in per_seed]
-            sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-            out[name][key] = {"mean": float(np.mean(values)), "sd": sd, "per_seed": values}
+            values = [rows[name][key] for rows in per_seed]
+            if isinstance(values[0], (int, float, np.floating, np.integer)):
+                values = [float(v) for v in values]
+            elif not (isinstance(values[0], list) and all(isinstance(v, (int, float)) for v in values[0])):
+                out[name][key] = {"per_seed": values}
+                continue
+            arr = np.asarray(values, np.float64)
+            sd = np.std(arr, axis=0, ddof=1) if len(values) > 1 else np.zeros_like(arr[0])
+            out[name][key] = {"mean": np.mean(arr, axis=0).tolist(), "sd": np.asarray(sd).tolist(),
+                              "per_seed": values}
     return out
 
 
