@@ -1,37 +1,124 @@
-"""The offline-scheduling acceptance figures on the real DeepSeek-V2-Lite trace (EP 8).
+"""Offline acceptance figures on the real DeepSeek-V2-Lite trace (EP 8, issue 10).
 
-Same computation as ``semmoe eval --profile dsv2lite_puffin-dev.npz --profile-frac 0.2
---seed 0 --ep 8 --mode tp|dp --method vanilla,eplb,moetuner,semmoe``.
+Every figure is the mean over the request splits of seeds 0-4 (20% of requests profiled, 80%
+evaluated), and each asserted threshold also holds on every single seed. Same computation as
+
+    semmoe eval --profile ../shared/data/routing/dsv2lite_puffin-dev.npz --profile-frac 0.2 \\
+        --seeds 0,1,2,3,4 --ep 8 --mode tp|dp [--redundant R]
+
+Solves are cached under ``$SEMMOE_CACHE_DIR`` (default ``~/.cache/vllm-semmoe``)/solves, keyed
+by the profile, the solve's parameters and a hash of the solver sources, so only the
+evaluation runs again when the solver is unchanged. Runtime on the 2-core VM: 130 s with a warm
+cache, about 6 min cold (20 Sem-MoE solves, MoETuner on seed 0), both at load average 5-7.
+
+Issue 10's bars that these figures do not reach are the ``xfail(strict=True)`` tests at the
+end: they document the gap and fail loudly once the bar is met (then make them plain tests).
 """
 
+import os
+
+import numpy as np
 import pytest
 
-from vllm_semmoe.evaluate import EvalConfig, compare_methods
+from vllm_semmoe.evaluate import EvalConfig, compare_methods, compare_seeds, placement_cache
 
-METHODS = ["vanilla", "eplb", "moetuner", "semmoe"]
+SEEDS = [0, 1, 2, 3, 4]
+CACHE_DIR = os.environ.get("SEMMOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vllm-semmoe"))
 
 
 @pytest.fixture(scope="module")
-def split(dev_trace):
-    return dev_trace.split(0.2, seed=0)
+def cache():
+    return placement_cache(os.path.join(CACHE_DIR, "solves"))
 
 
-def test_tp_mode(split):
-    rows = compare_methods(*split, 8, METHODS, EvalConfig(mode="tp"), seed=0)
-    assert abs(rows["vanilla"]["lar"] - 0.125) < 0.005
-    assert rows["semmoe"]["lar"] >= 0.38
-    assert rows["semmoe"]["imbalance"] <= 1.0 + 1e-9  # align: equal slices
-    for other in ("eplb", "moetuner"):
-        assert rows["semmoe"]["lar"] > rows[other]["lar"]
-        assert rows["semmoe"]["lar"] > rows[other]["lar_with_semmoe_sched"]
+@pytest.fixture(scope="module")
+def tp(dev_trace, cache):
+    """``{R: {method: {key: {"mean", "sd", "per_seed"}}}}`` in TP mode, R = 0, 1, 2."""
+    out = {0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="tp"),
+                            solve_cache=cache)}
+    for R in (1, 2):
+        out[R] = compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="tp"), redundant=R,
+                               solve_cache=cache)
+    return out
 
 
-def test_dp_mode(split):
-    rows = compare_methods(*split, 8, METHODS, EvalConfig(mode="dp"), seed=0)
-    assert abs(rows["vanilla"]["lar"] - 0.125) < 0.005
-    assert rows["semmoe"]["lar"] >= 0.17
-    assert rows["semmoe"]["imbalance"] <= 1.10
-    for other in ("eplb", "moetuner"):
-        assert rows["semmoe"]["lar"] > rows[other]["lar"]
-        assert rows["semmoe"]["lar"] > rows[other]["lar_with_semmoe_sched"]
+@pytest.fixture(scope="module")
+def dp(dev_trace, cache):
+    """``{R: {method: {key: {"mean", "sd", "per_seed"}}}}`` in DP mode, R = 0, 1."""
+    return {
+        0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="dp"),
+                         solve_cache=cache),
+        1: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="dp"), redundant=1,
+                         solve_cache=cache),
+    }
 
+
+def seeds(figure) -> np.ndarray:
+    return np.asarray(figure["per_seed"])
+
+
+def test_tp_lar_with_expert_load_at_or_below_vanilla(tp):
+    ours, vanilla, eplb = tp[0]["semmoe"], tp[0]["vanilla"], tp[0]["eplb"]
+    assert np.all(np.abs(seeds(vanilla["lar"]) - 0.125) < 0.005)
+    assert np.all(seeds(ours["lar"]) >= 0.36)  # seeds 0-4: 0.3655-0.3705, mean 0.3676
+    # the expert-load bound keeps every seed's expert imbalance at or below vanilla's
+    assert np.all(seeds(ours["expert_imbalance"]) <= seeds(vanilla["expert_imbalance"]))
+    assert np.all(seeds(ours["imbalance"]) <= 1.0 + 1e-3)  # align: equal slices
+    assert np.all(seeds(ours["lar"]) > seeds(eplb["lar_with_semmoe_sched"]) + 0.1)
+
+
+def test_tp_replication_for_locality(tp):
+    lar = {R: seeds(tp[R]["semmoe"]["lar"]) for R in (0, 1, 2)}
+    assert np.all(lar[1] >= 0.40)  # seeds 0-4: 0.4064-0.4126, mean 0.4093
+    assert np.all(lar[2] >= 0.435)  # seeds 0-4: 0.4396-0.4475, mean 0.4438
+    assert np.all(lar[1] > lar[0] + 0.03) and np.all(lar[2] > lar[1] + 0.025)
+    for R in (0, 1, 2):
+        assert np.all(seeds(tp[R]["semmoe"]["experts_per_device"]) == 8 + R)
+        assert np.all(seeds(tp[R]["semmoe"]["redundant"]) == R)
+
+
+def _balance_ratio(row) -> np.ndarray:
+    return seeds(row["window_imbalance"]) / seeds(row["window_imbalance_least_loaded"])
+
+
+def test_dp_lock_step_balance_as_good_as_least_loaded(dp):
+    ours = dp[0]["semmoe"]
+    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 1.002-1.035, mean 1.017
+    assert np.all(seeds(ours["window_imbalance"]) < seeds(ours["window_imbalance_round_robin"]))
+    assert np.all(seeds(ours["lar"]) >= 0.145)  # seeds 0-4: 0.1477-0.1527, mean 0.1495
+    for other in ("vanilla", "eplb"):
+        assert np.all(seeds(ours["lar"]) > seeds(dp[0][other]["lar_with_semmoe_sched"]))
+
+
+def test_dp_bar_with_one_replica_per_rank(dp):
+    """Issue 10's DP bar (LAR >= 0.175 at window imbalance <= 1.05 x least-loaded's), reached
+    with R = 1 (9 physical experts per rank instead of 8)."""
+    ours = dp[1]["semmoe"]
+    assert ours["lar"]["mean"] >= 0.175  # seeds 0-4: 0.1717-0.1799, mean 0.1762
+    assert np.all(seeds(ours["lar"]) >= 0.17)
+    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 0.989-1.027
+
+
+def test_placement_baselines_on_seed_0(dev_trace, cache):
+    """MoETuner (a slow MIP solve) against Sem-MoE on the seed-0 split, both modes."""
+    profile, trace = dev_trace.split(0.2, seed=0)
+    for mode in ("tp", "dp"):
+        rows = compare_methods(profile, trace, 8, ["moetuner", "semmoe"], EvalConfig(mode=mode), solve_cache=cache)
+        assert rows["semmoe"]["lar"] > rows["moetuner"]["lar"]
+        assert rows["semmoe"]["lar"] > rows["moetuner"]["lar_with_semmoe_sched"]
+
+
+# ---- issue 10's bars not reached (see benchmarks/SEEDS.md for why) --------------------------
+@pytest.mark.xfail(strict=True, reason="TP LAR mean 0.368 with the expert-load bound (0.378 without)")
+def test_issue10_bar_tp_lar_039(tp):
+    assert tp[0]["semmoe"]["lar"]["mean"] >= 0.39
+
+
+@pytest.mark.xfail(strict=True, reason="R = 1: TP LAR mean 0.409; R = 2: 0.444")
+def test_issue10_bar_tp_replication_043_046(tp):
+    assert tp[1]["semmoe"]["lar"]["mean"] >= 0.43 and tp[2]["semmoe"]["lar"]["mean"] >= 0.46
+
+
+@pytest.mark.xfail(strict=True, reason="R = 0: DP LAR mean 0.150 at lock-step balance (<= 1.05 x least-loaded)")
+def test_issue10_bar_dp_lar_0175_without_replicas(dp):
+    assert dp[0]["semmoe"]["lar"]["mean"] >= 0.175

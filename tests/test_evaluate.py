@@ -41,3 +41,91 @@ def test_bad_mode(split):
     profile, trace = split
     with pytest.raises(ValueError, match="mode must be"):
         evaluate(trace, get_policy("vanilla").solve(profile, 8), None, EvalConfig(mode="ep"))
+
+
+def test_dp_reports_lock_step_balance_beside_the_references(split):
+    import numpy as np
+
+    from vllm_semmoe import scheduling
+
+    profile, trace = split
+    placement = get_policy("semmoe").solve(profile, 8, mode="dp")
+    config = EvalConfig(mode="dp", dp_window=32, dp_decode_weight=64.0)
+    row = evaluate(trace, placement, build_tables(profile, placement, mode="dp"), config)
+    work = scheduling.request_work(np.diff(trace.offsets), 64.0)
+    least = scheduling.least_loaded_assign(work, 8, 32)
+    assert row["window_imbalance_least_loaded"] == pytest.approx(scheduling.window_imbalance(least, work, 8, 32))
+    assert row["window_imbalance_round_robin"] >= 1.0 and row["request_imbalance"] >= 1.0
+    # the default knob keeps the windows about as balanced as the locality-blind balancer
+    assert row["window_imbalance"] <= 1.10 * row["window_imbalance_least_loaded"]
+
+
+def test_aggregate_seeds_mean_sd_per_seed():
+    from vllm_semmoe.evaluate import aggregate_seeds
+
+    out = aggregate_seeds([{"a": {"lar": 0.3}}, {"a": {"lar": 0.5}}])
+    assert out["a"]["lar"]["mean"] == pytest.approx(0.4)
+    assert out["a"]["lar"]["sd"] == pytest.approx(0.1414213562)
+    assert out["a"]["lar"]["per_seed"] == [0.3, 0.5]
+
+
+def test_replication_raises_lar_and_serves_every_activation_once(split):
+    import numpy as np
+
+    from vllm_semmoe.evaluate import _served_load
+
+    profile, trace = split
+    rows = {R: compare_methods(profile, trace, 8, ["semmoe"], EvalConfig(mode="tp"), redundant=R)["semmoe"]
+            for R in (0, 1)}
+    assert rows[1]["lar"] > rows[0]["lar"] + 0.01
+    assert rows[0]["experts_per_device"] == 8 and rows[1]["experts_per_device"] == 9
+    placement = get_policy("semmoe").solve(profile, 8, redundant=1)
+    device = np.zeros((trace.num_tokens, trace.num_layers), np.int64)
+    load = _served_load(trace.experts, device, placement.holds().astype(np.uint8))
+    np.testing.assert_allclose(load.sum(axis=1), trace.num_tokens * trace.top_k)
+
+
+def test_placement_cache_returns_the_same_placement(split, tmp_path):
+    import numpy as np
+
+    from vllm_semmoe.evaluate import placement_cache
+
+    profile, _ = split
+    cache = placement_cache(str(tmp_path))
+    calls = []
+
+    def solve():
+        calls.append(1)
+        return get_policy("semmoe").solve(profile, 8, redundant=1)
+
+    a = cache("k", solve)
+    b = cache("k", solve)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(a.physical_to_logical(), b.physical_to_logical())
+
+
+def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
+    import json
+
+    from vllm_semmoe.cli import main
+
+    path = tmp_path / "small.npz"
+    small_trace.save(path)
+    out = tmp_path / "e.json"
+    assert main(["eval", "--profile", str(path), "--profile-frac", "0.3", "--seeds", "0,1", "--mode", "dp",
+                 "--method", "vanilla,semmoe", "--redundant", "1", "--dp-balance-curve", "0,1",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "±" in printed and "window_imbalance_least_loaded" in printed and "balance=1" in printed
+    payload = json.loads(out.read_text())
+    assert payload["seeds"] == [0, 1] and payload["redundant"] == 1
+    lar = payload["methods"]["semmoe"]["lar"]
+    assert set(lar) == {"mean", "sd", "per_seed"} and len(lar["per_seed"]) == 2
+    assert payload["methods"]["semmoe"]["redundant"]["mean"] == 1
+    assert payload["methods"]["vanilla"]["redundant"]["mean"] == 0
+    for key in ("window_imbalance", "window_imbalance_least_loaded", "window_imbalance_round_robin",
+                "request_imbalance"):
+        assert len(payload["methods"]["semmoe"][key]["per_seed"]) == 2
+    assert set(payload["dp_curve"]) == {"balance=0", "balance=1"}
+    assert main(["solve", "--trace", str(path), "--ep", "8", "--redundant", "2", "--out", str(tmp_path / "t")]) == 0
+    assert "2 redundant slot(s) per device (10 physical experts per rank)" in capsys.readouterr().out

@@ -70,3 +70,65 @@ def test_moetuner_respects_its_load_bound(small_trace):
     placement = get_policy("moetuner").solve(small_trace, 8)
     per = np.stack([np.bincount(r, weights=w, minlength=8) for r, w in zip(placement.expert_device, loads)])
     assert np.all(per.max(1) <= 1.10 * per.mean(1) + 1e-6)
+
+
+def test_semmoe_respects_its_expert_load_bound(small_trace):
+    from vllm_semmoe.policy.semmoe import SemMoEPolicy
+    from vllm_semmoe.policy.simple import expert_loads
+
+    loads = expert_loads(small_trace)
+    for slack in (0.05, 0.10):
+        placement = SemMoEPolicy(load_slack=slack).solve(small_trace, 8)
+        per = np.stack([np.bincount(r, weights=w, minlength=8) for r, w in zip(placement.expert_device, loads)])
+        # the swaps reach the bound unless no swap lowers the maximum (one expert can outweigh it)
+        assert np.all((per.max(1) <= (1 + slack) * per.mean(1) + 1e-6) | (per.max(1) <= loads.max(1) * 1.5))
+        assert (per.max(1) / per.mean(1)).mean() < 1 + slack + 0.01
+
+
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_replicated_placement_layout_matches_vllm_eplb(small_trace, mode):
+    """R redundant slots per device: [L, E*(N/E+R)] physical→logical map, device d owning slots
+    d*(n+R)..(d+1)*(n+R)-1 (home experts, then replicas), every expert at least once."""
+    R, E, N = 2, 8, 64
+    placement = get_policy("semmoe").solve(small_trace, E, mode=mode, redundant=R, seed=1)
+    assert placement.redundant == R and placement.experts_per_device == N // E + R
+    p2l = placement.physical_to_logical()
+    assert p2l.shape == (26, E * (N // E + R)) == (26, placement.num_physical_experts)
+    holds = placement.holds()
+    for l in range(26):
+        per_device = p2l[l].reshape(E, N // E + R)
+        for d in range(E):
+            assert len(set(per_device[d])) == N // E + R  # no expert twice on a device
+            assert np.all(holds[l, per_device[d], d])
+        assert set(p2l[l]) == set(range(N))
+    np.testing.assert_array_equal(placement.replica_count(), holds.sum(axis=2))
+    assert placement.replica_count().sum() == 26 * (N + E * R)
+    l2p = placement.logical_to_physical_map()
+    assert l2p.shape == (26, N, 1 + E * R)
+    for l in (0, 25):
+        for n in range(N):
+            slots = l2p[l, n][l2p[l, n] >= 0]
+            assert len(slots) == placement.replica_count()[l, n]
+            assert np.all(p2l[l, slots] == n)
+    back = Placement.from_physical_to_logical(p2l, E, num_experts=N)
+    np.testing.assert_array_equal(back.expert_device, placement.expert_device)
+    np.testing.assert_array_equal(np.sort(back.replicas, axis=2), np.sort(placement.replicas, axis=2))
+
+
+def test_replicas_are_validated():
+    e2d = np.array([[0, 0, 1, 1]])
+    with pytest.raises(PlacementError, match="device 0 replicates expert 1, which it already holds"):
+        Placement(e2d, 2, replicas=np.array([[[1], [0]]]))
+    with pytest.raises(PlacementError, match="two copies"):
+        Placement(e2d, 2, replicas=np.array([[[2, 2], [0, 1]]]))
+    with pytest.raises(PlacementError, match="expected shape"):
+        Placement(e2d, 2, replicas=np.array([[2], [0]]))
+    with pytest.raises(PlacementError, match="does not replicate"):
+        get_policy("vanilla").solve(_tiny_trace(), 2, redundant=1)
+
+
+def _tiny_trace():
+    from vllm_semmoe.trace import RoutingTrace
+
+    return RoutingTrace.from_arrays(np.arange(4), np.zeros((4, 1, 1), np.int64) + np.arange(4)[:, None, None],
+                                    np.array([0, 4]), vocab_size=4, num_experts=4)

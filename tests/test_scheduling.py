@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,36 +72,42 @@ def test_dp_round_robin_mask_uses_each_rank_once_per_group(R, E, seed):
     rng = np.random.default_rng(seed)
     votes = rng.random((R, E))
     votes[:, 0] += 5  # everybody prefers rank 0
-    rank = scheduling.dp_assign(votes, rng.integers(1, 100, R).astype(float), 0.03, np.inf, 64, True)
+    lengths = rng.integers(1, 100, R).astype(float)
+    rank = scheduling.dp_assign(votes, lengths, 0.1, 64, True)
     for start in range(0, R, E):
         group = rank[start : start + E]
         assert len(set(group)) == len(group)
 
 
-def test_dp_prices_balance_token_load_against_a_shared_preference():
+def test_dp_balance_knob_trades_locality_for_lock_step_balance():
+    """A rank everybody likes: with the knob off every request goes there; with it on, the
+    window work stays as balanced as the least-loaded balancer's while weak preferences still
+    follow the votes."""
     rng = np.random.default_rng(0)
-    R, E = 4000, 8
+    R, E, W = 4000, 8, 256
     lengths = rng.integers(5, 200, R).astype(float)
+    work = scheduling.request_work(lengths, 128.0)
     votes = rng.random((R, E)) * lengths[:, None]
-    votes[:, 3] += 0.5 * lengths  # a rank everybody likes
-    rank = scheduling.dp_assign(votes, lengths, 0.03, np.inf, 512, False)
-    load = np.bincount(rank, weights=lengths, minlength=E)
-    assert load.max() / load.mean() < 1.10
-    greedy = np.bincount(np.argmax(votes, axis=1), weights=lengths, minlength=E)
-    assert greedy.max() / greedy.mean() > 3  # without the rule, rank 3 would be swamped
+    votes[:, 3] += 0.5 * lengths
+    free = scheduling.dp_assign(votes, work, 0.0, W, False)
+    assert np.all(free == np.argmax(votes, axis=1))
+    blind = scheduling.least_loaded_assign(work, E, W)
+    least = scheduling.window_imbalance(blind, work, E, W)
+    ranks = scheduling.dp_assign(votes, work, 1.0, W, False)
+    assert scheduling.window_imbalance(ranks, work, E, W) <= 1.05 * least
+    # locality survives: clearly more requests on their best rank than under the blind balancer
+    best = np.argmax(votes, axis=1)
+    assert (ranks == best).mean() > 1.4 * (blind == best).mean()
 
 
-def test_dp_hard_guard_caps_window_load():
-    rng = np.random.default_rng(1)
-    R, E = 2000, 4
-    lengths = rng.integers(10, 20, R).astype(float)
-    votes = np.zeros((R, E))
-    votes[:, 0] = lengths  # rank 0 always best, prices off
-    rank = scheduling.dp_assign(votes, lengths, 0.0, 0.10, 100, False)
-    for end in range(200, R, 100):
-        window = slice(end - 100, end)
-        load = np.bincount(rank[window], weights=lengths[window], minlength=E)
-        assert load.max() <= 1.10 * load.mean() + lengths.max()
+def test_dp_choose_balanced_prefers_locality_until_the_load_gap_costs_more():
+    votes = np.array([10.0, 8.0, 0.0])
+    assert scheduling.dp_choose_balanced(votes, np.array([0.0, 0.0, 0.0]), 100.0, 1.0) == 0
+    # rank 0 carries one mean request more than rank 1: 0.2 of preference < 1.0 x 1 request
+    assert scheduling.dp_choose_balanced(votes, np.array([100.0, 0.0, 0.0]), 100.0, 1.0) == 1
+    assert scheduling.dp_choose_balanced(votes, np.array([100.0, 0.0, 0.0]), 100.0, 0.1) == 0
+    # flat votes (unseen tokens): the least-loaded rank
+    assert scheduling.dp_choose_balanced(np.ones(3), np.array([5.0, 1.0, 3.0]), 100.0, 0.01) == 1
 
 
 def test_request_votes_sum_over_tokens_and_layers():
@@ -108,3 +115,45 @@ def test_request_votes_sum_over_tokens_and_layers():
     oov = np.array([[0.5, 0.5], [0.5, 0.5]], np.float32)
     votes = scheduling.request_votes(np.array([0, 1, -1]), np.array([0, 2, 3]), t2d, oov)
     np.testing.assert_allclose(votes, [[1.5, 2.5], [1.0, 1.0]])
+
+
+def test_request_work_adds_the_decode_weight():
+    np.testing.assert_allclose(scheduling.request_work(np.array([0, 10, 300]), 128.0), [129.0, 138.0, 428.0])
+    assert scheduling.balance_window(8) == 256
+
+
+def test_window_imbalance_per_window_not_cumulative():
+    # two windows, each all on one rank but on different ranks: cumulative balance would be
+    # perfect, every window is maximally skewed
+    rank = np.array([0] * 4 + [1] * 4)
+    work = np.ones(8)
+    assert scheduling.window_imbalance(rank, work, 2, 4) == pytest.approx(2.0)
+    assert scheduling.window_imbalance(np.array([0, 1] * 4), work, 2, 4) == pytest.approx(1.0)
+    # fewer requests than a window: one (partial) window
+    assert scheduling.window_imbalance(np.array([0, 0, 1]), np.ones(3), 2, 256) == pytest.approx(4 / 3)
+
+
+def test_least_loaded_balances_in_window_work_and_round_robin_counts():
+    rng = np.random.default_rng(3)
+    work = rng.pareto(1.5, 3000) * 50 + 130  # long-tailed prompts plus a decode weight
+    least = scheduling.least_loaded_assign(work, 8, 256)
+    robin = scheduling.round_robin_assign(3000, 8)
+    assert scheduling.window_imbalance(least, work, 8, 256) < scheduling.window_imbalance(robin, work, 8, 256)
+    assert scheduling.window_imbalance(robin, np.ones(3000), 8, 256) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("balance", [0.3, 3.0])
+def test_dp_knob_keeps_window_work_near_least_loaded(balance):
+    """Long-tailed prompts and a shared preference: a moderate knob keeps the lock-step balance
+    close to the locality-blind least-loaded balancer's; the knob off does not."""
+    rng = np.random.default_rng(7)
+    R, E, W = 3000, 8, 256
+    lengths = np.floor(rng.pareto(1.5, R) * 40 + 2)
+    work = scheduling.request_work(lengths, 128.0)
+    votes = rng.random((R, E)) * lengths[:, None]
+    votes[:, 2] += 2.0 * lengths  # every request prefers rank 2
+    least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, W), work, E, W)
+    ours = scheduling.window_imbalance(scheduling.dp_assign(votes, work, balance, W, False), work, E, W)
+    free = scheduling.window_imbalance(scheduling.dp_assign(votes, work, 0.0, W, False), work, E, W)
+    assert ours <= 1.05 * least
+    assert free > 1.5 * least

@@ -55,3 +55,73 @@ def test_missing_or_foreign_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TablesError, match="no manifest.json"):
         load_tables(tmp_path / "empty")
+
+
+@pytest.fixture(scope="module")
+def replicated(small_trace):
+    return build_tables(small_trace, get_policy("semmoe").solve(small_trace, 8, redundant=1), mode="tp")
+
+
+def test_replicated_tables_count_every_copy(replicated, small_trace):
+    """With replicas a token's local shares over devices sum to more than 1, exactly as often
+    as its experts have copies."""
+    from vllm_semmoe.tables import device_counts, placement_device_counts
+
+    placement = replicated.placement
+    counts = placement_device_counts(small_trace.experts, placement)
+    copies = placement.replica_count()  # [L, N]
+    expected = copies[np.arange(26)[None, :, None], small_trace.experts].sum(axis=2)  # [T, L]
+    np.testing.assert_array_equal(counts.sum(axis=2), expected)
+    home = device_counts(small_trace.experts, placement.expert_device, 8)
+    assert np.all(counts >= home)
+    np.testing.assert_allclose(replicated.oov_score.sum(axis=1), expected.sum(axis=0) / (len(expected) * 6), rtol=1e-5)
+    assert np.all(replicated.t2d_score.astype(np.float32).sum(axis=2) >= 1.0 - 5e-3)
+
+
+def test_replicated_round_trip_and_format_1_still_loads(replicated, tables, tmp_path):
+    replicated.save(tmp_path / "r")
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["format"] == "vllm-semmoe-tables/2" and manifest["redundant"] == 1
+    back = load_tables(tmp_path / "r", num_layers=26, num_experts=64, ep_size=8)
+    np.testing.assert_array_equal(back.placement.replicas, replicated.placement.replicas)
+    np.testing.assert_array_equal(back.placement.physical_to_logical(), replicated.placement.physical_to_logical())
+    # a format-1 directory (no replicas array, no "redundant") written by earlier versions
+    tables.save(tmp_path / "old")
+    manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    manifest["format"] = "vllm-semmoe-tables/1"
+    del manifest["redundant"]
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
+    with np.load(tmp_path / "old" / "tables.npz") as data:
+        arrays = {k: data[k] for k in data.files if k != "replicas"}
+    np.savez_compressed(tmp_path / "old" / "tables.npz", **arrays)
+    old = load_tables(tmp_path / "old", num_layers=26, num_experts=64, ep_size=8)
+    assert old.placement.redundant == 0
+    np.testing.assert_array_equal(old.placement.expert_device, tables.placement.expert_device)
+
+
+def test_unseen_tokens_take_their_nearest_profiled_neighbour(small_trace, tmp_path):
+    """The paper's OOV rule: with the model's embedding, an unseen id reads the T2D row of the
+    profiled token closest in cosine similarity; without it, -1 (the layer prior)."""
+    from vllm_semmoe.tables import nearest_profiled_rows
+
+    profiled = np.unique(small_trace.tokens)
+    V = int(profiled.max()) + 10
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(V, 16)).astype(np.float32)
+    unseen = np.setdiff1d(np.arange(V), profiled)[:5]
+    twins = profiled[[3, 7, 11, 13, 17]]
+    emb[unseen] = 2.5 * emb[twins] + 0.01 * rng.normal(size=(5, 16))  # near-parallel copies
+    rows = nearest_profiled_rows(emb, profiled)
+    np.testing.assert_array_equal(rows[unseen], [3, 7, 11, 13, 17])
+    np.testing.assert_array_equal(rows[profiled], np.arange(len(profiled)))
+    placement = get_policy("vanilla").solve(small_trace, 8)
+    plain = build_tables(small_trace, placement)
+    nearest = build_tables(small_trace, placement, embedding=emb)
+    assert np.all(plain.token_rows(unseen) == -1)
+    np.testing.assert_array_equal(nearest.token_rows(np.append(unseen, 10**7)), [3, 7, 11, 13, 17, -1])
+    nearest.save(tmp_path / "n")
+    back = load_tables(tmp_path / "n")
+    np.testing.assert_array_equal(back.token_rows(unseen), [3, 7, 11, 13, 17])
+    assert json.loads((tmp_path / "n" / "manifest.json").read_text())["oov"] == "nearest"
+    with pytest.raises(TablesError, match="outside the embedding"):
+        nearest_profiled_rows(emb[:10], profiled)

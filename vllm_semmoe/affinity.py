@@ -124,3 +124,23 @@ def _leave_one_out_f1(token_row, experts, counts, frequent):
         for i in range(len(frequent)):
             hits[l, i] /= seen[i] * K
     return hits
+
+
+def checkpoint_embedding(model_dir: str) -> np.ndarray:
+    """``[V, H]`` float32 input embedding matrix of a Hugging Face checkpoint directory
+    (``*.safetensors``, the tensor named ``...embed_tokens.weight``), for
+    :func:`vllm_semmoe.tables.nearest_profiled_rows`. Reads only that tensor."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}: give the model's checkpoint directory")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight"):
+                    return f.get_tensor(name).float().numpy()
+    raise FileNotFoundError(f"{model_dir}: no tensor named *embed_tokens.weight in {', '.join(files)}")

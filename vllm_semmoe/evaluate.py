@@ -7,7 +7,17 @@ Every figure is counted per (token, layer, expert) activation:
 - ``oracle_lar``: the same placement with a perfect, unconstrained device choice (TP: per token
   and layer; DP: per request, one device for all layers) — the ceiling of data scheduling;
 - ``imbalance``: max/mean tokens per device (TP: per batch and layer, averaged; DP: prompt
-  tokens per rank over the whole evaluation); ``expert_imbalance``: max/mean expert activations per device, averaged over layers.
+  tokens per rank over the whole evaluation); ``expert_imbalance``: max/mean expert activations
+  served per device, averaged over layers (with replicas, an activation is served by the copy on
+  the token's device if there is one, else split evenly over the expert's copies, as EPLB
+  spreads tokens over replicas).
+- DP only, the lock-step balance over windows of ``W = 32 × ranks`` consecutive requests
+  (:func:`.scheduling.window_imbalance`), with work = prompt tokens + a decode weight
+  (:func:`.scheduling.request_work`): ``window_imbalance`` of the method's rank choice, and on
+  the same arrivals ``window_imbalance_least_loaded`` (online least-loaded, no locality) and
+  ``window_imbalance_round_robin``; ``request_imbalance``: the same windows counting requests.
+
+Multi-seed runs (:func:`compare_seeds`) report every figure as ``{"mean", "sd", "per_seed"}``.
 
 Data scheduling per mode: with tables, Sem-MoE's (:mod:`.scheduling`); without, the engines'
 default — TP: the reduce-scatter's contiguous slices; DP: requests dealt round-robin.
@@ -24,8 +34,12 @@ import numpy as np
 from . import scheduling
 from .placement import Placement
 from .policy import get_policy
-from .tables import SemMoETables, build_tables, device_counts, majority_device
+from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
 from .trace import RoutingTrace
+
+#: default of the DP locality-vs-balance knob :attr:`EvalConfig.dp_balance` (chosen on the
+#: profiled requests only; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -35,10 +49,15 @@ class EvalConfig:
     mode: str = "tp"  # "tp" or "dp"
     batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
     # 0 = one batch per request of the trace (a live capture in engine-step order)
-    dp_window: int = 512  # DP: requests remembered by the hard guard
-    dp_eps: float = float("inf")  # DP: optional hard guard on token load over the window (off)
-    dp_price_step: float = 0.03  # DP: rank-price step (balances load by preference strength)
-    round_robin_mask: bool = False  # DP: the paper's mask instead of the token-load rule
+    dp_window: int | None = None  # DP: requests in a balance window; None = 32 × ranks
+    dp_balance: float = DEFAULT_DP_BALANCE  # DP: locality-vs-balance knob (scheduling.dp_choose_balanced):
+    # relative preference given up per mean request of work above the least-loaded rank
+    round_robin_mask: bool = False  # DP: the paper's mask instead of the work rule
+    dp_decode_weight: float | None = None  # DP: decode work per request (None: profile's mean
+    # output length where the profile has decode tokens, else scheduling.DEFAULT_DECODE_WEIGHT)
+
+    def window(self, ep_size: int) -> int:
+        return scheduling.balance_window(ep_size) if self.dp_window is None else int(self.dp_window)
 
 
 def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
@@ -47,18 +66,23 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     if config.mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {config.mode!r}")
     E = placement.ep_size
-    counts = device_counts(trace.experts, placement.expert_device, E)  # [T, L, E]
+    counts = placement_device_counts(trace.experts, placement)  # [T, L, E]
+    extra = {}
     if config.mode == "tp":
         device, imbalance = _tp_devices(trace, counts, tables, E, config.batch_tokens)
         oracle = counts.max(axis=2).sum()
     else:
         rank, imbalance = _dp_ranks(trace, tables, E, config)
-        device = np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
+        extra = dp_balance(trace, rank, E, config)
+        device = _request_devices(trace, rank)
         per_request = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), trace.offsets[:-1], axis=0)
         oracle = per_request.max(axis=1).sum()
     local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
     activations = counts.size // E * trace.top_k
-    expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
+    if placement.redundant:
+        expert_load = _served_load(trace.experts, device, placement.holds().astype(np.uint8))
+    else:
+        expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
     out = {
         "lar": float(local.sum() / activations),
         "lar_token": float((local > 0).mean()),
@@ -66,10 +90,78 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
         "imbalance": float(imbalance),
         "expert_imbalance": float((expert_load.max(axis=1) / expert_load.mean(axis=1)).mean()),
         "lar_per_layer": (local.sum(axis=0) / (trace.num_tokens * trace.top_k)).tolist(),  # [L]
+        **extra,
     }
     if config.mode == "dp":
         out["rank_load_curve"] = rank_load_curve(rank, np.diff(trace.offsets), E)
     return out
+
+
+def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
+                      config: EvalConfig) -> np.ndarray:
+    """``[T, L]`` int64 device each token is processed on at each layer under ``config``'s
+    data scheduling (Sem-MoE's with ``tables``, else the engines' default)."""
+    if config.mode == "tp":
+        counts = placement_device_counts(trace.experts, placement)
+        return _tp_devices(trace, counts, tables, placement.ep_size, config.batch_tokens)[0]
+    return _request_devices(trace, _dp_ranks(trace, tables, placement.ep_size, config)[0])
+
+
+def _request_devices(trace: RoutingTrace, rank: np.ndarray) -> np.ndarray:
+    """``[T, L]``: every token of request ``r`` on ``rank[r]`` at every layer."""
+    return np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
+
+
+@numba.njit(cache=True)
+def _served_load(experts, device, holds):
+    """``[L, E]`` activations served per device: by the copy on the token's device if any,
+    else split evenly over the expert's copies. experts ``[T, L, K]``, device ``[T, L]``,
+    holds ``[L, N, E]`` uint8."""
+    T, L, K = experts.shape
+    N, E = holds.shape[1], holds.shape[2]
+    copies = np.zeros((L, N))
+    for l in range(L):
+        for n in range(N):
+            for e in range(E):
+                copies[l, n] += holds[l, n, e]
+    load = np.zeros((L, E))
+    for t in range(T):
+        for l in range(L):
+            d = device[t, l]
+            for k in range(K):
+                n = experts[t, l, k]
+                if holds[l, n, d]:
+                    load[l, d] += 1.0
+                else:
+                    for e in range(E):
+                        if holds[l, n, e]:
+                            load[l, e] += 1.0 / copies[l, n]
+    return load
+
+
+def decode_weight(profile: RoutingTrace | None, config: "EvalConfig") -> float:
+    """Decode work per request: ``config.dp_decode_weight``, else the profile's mean generated
+    tokens per request where it recorded decode, else :data:`.scheduling.DEFAULT_DECODE_WEIGHT`."""
+    if config.dp_decode_weight is not None:
+        return float(config.dp_decode_weight)
+    if profile is not None and profile.is_decode is not None and profile.is_decode.any():
+        return float(profile.is_decode.sum() / max(profile.num_requests, 1))
+    return scheduling.DEFAULT_DECODE_WEIGHT
+
+
+def dp_balance(trace: RoutingTrace, rank: np.ndarray, ep_size: int, config: "EvalConfig") -> dict:
+    """Lock-step balance of a DP rank choice ``rank [R]`` beside the locality-blind references
+    on the same arrivals (see module docstring for the keys)."""
+    work = scheduling.request_work(np.diff(trace.offsets), decode_weight(None, config))
+    W = config.window(ep_size)
+    least = scheduling.least_loaded_assign(work, ep_size, W)
+    robin = scheduling.round_robin_assign(len(work), ep_size)
+    return {
+        "window_imbalance": scheduling.window_imbalance(rank, work, ep_size, W),
+        "window_imbalance_least_loaded": scheduling.window_imbalance(least, work, ep_size, W),
+        "window_imbalance_round_robin": scheduling.window_imbalance(robin, work, ep_size, W),
+        "request_imbalance": scheduling.window_imbalance(rank, np.ones(len(work)), ep_size, W),
+    }
 
 
 def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points: int = 50) -> dict:
@@ -135,37 +227,58 @@ def _dp_ranks(trace, tables, ep_size, config):
     lengths = np.diff(trace.offsets).astype(np.float64)
     R = trace.num_requests
     if tables is None:
-        rank = np.arange(R) % ep_size
+        rank = scheduling.round_robin_assign(R, ep_size)
     else:
         votes = scheduling.request_votes(
             tables.token_rows(trace.tokens), trace.offsets, tables.t2d_score.astype(np.float32),
             tables.oov_score,
         )
-        rank = scheduling.dp_assign(votes, lengths, config.dp_price_step, config.dp_eps, config.dp_window,
+        work = scheduling.request_work(lengths, decode_weight(None, config))
+        rank = scheduling.dp_assign(votes, work, config.dp_balance, config.window(ep_size),
                                     config.round_robin_mask)
     load = np.bincount(rank, weights=lengths, minlength=ep_size)
     return rank, float(load.max() / load.mean())
 
 
 def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, methods: list[str],
-                    config: EvalConfig, *, seed: int = 0, progress=None) -> dict[str, dict]:
+                    config: EvalConfig, *, seed: int = 0, redundant: int = 0, progress=None,
+                    solve_cache=None, embedding: np.ndarray | None = None) -> dict[str, dict]:
     """Solve every method on ``profile`` and evaluate it on ``trace`` side by side.
 
     Each row holds :func:`evaluate`'s figures for the method as deployed (``semmoe`` with its
     tables; the baselines with the engines' default data scheduling), plus
     ``lar_with_semmoe_sched`` (the same placement under Sem-MoE's scheduler, which separates
     placement quality from scheduling), ``a2a_ratio`` (remote activations relative to
-    ``vanilla``) and ``solve_s``.
+    ``vanilla``), ``solve_s``, ``redundant`` (R, replica slots per device the method used: those
+    that support replication get ``redundant``, the others 0) and ``experts_per_device``
+    (physical expert slots per rank, ``N/E + R``: expert memory per rank in experts).
+
+    ``solve_cache``: optional ``callable(key: str, solve: () -> Placement) -> Placement`` that
+    may return a stored placement for ``key`` instead of solving (tests cache solves with it).
+    ``embedding``: optional ``[V, H]`` model embedding; unseen tokens then use their nearest
+    profiled neighbour (:func:`.tables.nearest_profiled_rows`).
     """
+    config = _with_decode_weight(config, profile)
     rows = {}
     for name in methods:
+        policy = get_policy(name)
+        R = redundant if policy.supports_redundant else 0
         start = time.perf_counter()
-        placement = get_policy(name).solve(profile, ep_size, mode=config.mode, seed=seed, progress=progress)
+
+        def solve(policy=policy, R=R):
+            return policy.solve(profile, ep_size, mode=config.mode, seed=seed, redundant=R, progress=progress)
+
+        if solve_cache is None:
+            placement = solve()
+        else:
+            key = f"{name}-{profile.fingerprint()}-ep{ep_size}-{config.mode}-s{seed}-r{R}"
+            placement = solve_cache(key, solve)
         solve_s = time.perf_counter() - start
-        tables = build_tables(profile, placement, mode=config.mode)
+        tables = build_tables(profile, placement, mode=config.mode, embedding=embedding)
         scheduled = evaluate(trace, placement, tables, config)
         row = scheduled if name == "semmoe" else evaluate(trace, placement, None, config)
-        row = dict(row, lar_with_semmoe_sched=scheduled["lar"], solve_s=solve_s)
+        row = dict(row, lar_with_semmoe_sched=scheduled["lar"], solve_s=solve_s, redundant=R,
+                   experts_per_device=placement.experts_per_device)
         rows[name] = row
     vanilla = rows.get("vanilla") or evaluate(
         trace, get_policy("vanilla").solve(profile, ep_size), None, config
@@ -173,3 +286,87 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
     for row in rows.values():
         row["a2a_ratio"] = (1.0 - row["lar"]) / (1.0 - vanilla["lar"])
     return rows
+
+
+def _with_decode_weight(config: EvalConfig, profile: RoutingTrace) -> EvalConfig:
+    """``config`` with the decode weight resolved from the profile (see :func:`decode_weight`)."""
+    from dataclasses import replace
+
+    return replace(config, dp_decode_weight=decode_weight(profile, config))
+
+
+def compare_seeds(trace: RoutingTrace, profile_frac: float, seeds: list[int], ep_size: int,
+                  methods: list[str], config: EvalConfig, *, redundant: int = 0, progress=None,
+                  solve_cache=None) -> dict[str, dict]:
+    """:func:`compare_methods` on the request split of every seed (profile ``profile_frac``,
+    evaluate the rest; the seed also seeds the solvers), aggregated by :func:`aggregate_seeds`."""
+    per_seed = []
+    for seed in seeds:
+        profile, held_out = trace.split(profile_frac, seed)
+        per_seed.append(compare_methods(profile, held_out, ep_size, methods, config, seed=seed,
+                                        redundant=redundant, progress=progress, solve_cache=solve_cache))
+    return aggregate_seeds(per_seed)
+
+
+def aggregate_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+    """``[{method: {key: value}}]`` per seed → ``{method: {key: {"mean", "sd", "per_seed"}}}``.
+
+    ``sd`` is the sample standard deviation (``ddof=1``; 0 for one seed). A list-valued figure
+    (``lar_per_layer``) is aggregated element-wise; any other figure (``rank_load_curve``) keeps
+    only ``per_seed``.
+    """
+    out = {}
+    for name in per_seed[0]:
+        out[name] = {}
+        for key in per_seed[0][name]:
+            values = [rows[name][key] for rows in per_seed]
+            if isinstance(values[0], (int, float, np.floating, np.integer)):
+                values = [float(v) for v in values]
+            elif not (isinstance(values[0], list) and all(isinstance(v, (int, float)) for v in values[0])):
+                out[name][key] = {"per_seed": values}
+                continue
+            arr = np.asarray(values, np.float64)
+            sd = np.std(arr, axis=0, ddof=1) if len(values) > 1 else np.zeros_like(arr[0])
+            out[name][key] = {"mean": np.mean(arr, axis=0).tolist(), "sd": np.asarray(sd).tolist(),
+                              "per_seed": values}
+    return out
+
+
+def placement_cache(directory: str):
+    """A ``solve_cache`` for :func:`compare_methods` that stores placements as ``.npz`` files
+    under ``directory``, keyed by the solve's inputs and a hash of the solver's source files
+    (so an edited solver never reads a stale placement)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from . import policy as policy_pkg
+
+    here = Path(__file__).parent
+    policy_dir = Path(policy_pkg.__file__).parent
+    baseline = [p for p in sorted(policy_dir.glob("*.py")) if p.name != "semmoe.py"]
+    # Sem-MoE's solve also simulates the online scheduler with tables (replicas for locality)
+    semmoe = baseline + [policy_dir / "semmoe.py"] + [here / f for f in
+                                                      ("scheduling.py", "tables.py", "evaluate.py", "affinity.py")]
+
+    def digest(files):
+        return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:12]
+
+    codes = {"semmoe": digest(semmoe), "": digest(baseline)}
+
+    def cached(key: str, solve):
+        code = codes["semmoe"] if key.startswith("semmoe-") else codes[""]
+        path = os.path.join(directory, f"{key}-{code}.npz")
+        if os.path.exists(path):
+            with np.load(path) as data:
+                replicas = data["replicas"] if data["replicas"].shape[2] else None
+                return Placement(data["expert_device"], int(data["ep_size"]), str(data["method"]), replicas)
+        placement = solve()
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, expert_device=placement.expert_device, replicas=placement.replicas,
+                 ep_size=placement.ep_size, method=placement.method)
+        os.replace(tmp, path)
+        return placement
+
+    return cached

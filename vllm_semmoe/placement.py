@@ -1,9 +1,16 @@
 """Expert placement: which device holds which expert at every MoE layer.
 
 A :class:`Placement` is what every solver in :mod:`vllm_semmoe.policy` returns and what the
-vLLM adapter applies. Physical layout convention (vLLM's ``linear`` expert map): device ``d``
-owns physical expert slots ``d*n .. (d+1)*n - 1`` with ``n = N / E``; within a device, logical
-experts are kept in ascending id order.
+vLLM adapter applies. Every logical expert has one *home* device (``expert_device``, exactly
+``N/E`` per device); with ``R`` redundant slots per device (replication for locality), device
+``d`` also holds copies of ``R`` other experts (``replicas[l, d]``).
+
+Physical layout (vLLM's ``linear`` expert map, and vLLM EPLB's ``num_redundant_experts``
+layout with ``num_redundant_experts = E * R``): device ``d`` owns the ``n + R`` physical slots
+``d*(n+R) .. (d+1)*(n+R) - 1`` with ``n = N / E``: first its ``n`` home experts in ascending
+logical id, then its ``R`` replicas in ascending logical id. ``physical_to_logical()`` is
+EPLB's ``physical_to_logical_map`` ``[L, E*(n+R)]``; ``logical_to_physical_map()`` and
+``replica_count()`` are its ``logical_to_physical_map`` / ``logical_replica_count``.
 """
 
 from __future__ import annotations
@@ -26,11 +33,15 @@ class Placement:
         ep_size: E, number of expert-parallel devices; every device holds exactly N/E experts
             of every layer.
         method: name of the policy that produced it.
+        replicas: ``[L, E, R]`` int16, logical expert copied into each of device ``d``'s ``R``
+            redundant slots (never one of ``d``'s home experts, no duplicates on a device);
+            ``None`` or ``R = 0``: no replication.
     """
 
     expert_device: np.ndarray
     ep_size: int
     method: str = ""
+    replicas: np.ndarray | None = None
 
     def __post_init__(self):
         e2d = np.asarray(self.expert_device)
@@ -51,6 +62,7 @@ class Placement:
             )
         object.__setattr__(self, "expert_device", e2d.astype(np.int16))
         object.__setattr__(self, "ep_size", E)
+        object.__setattr__(self, "replicas", _check_replicas(self.replicas, e2d, E))
 
     @property
     def num_layers(self) -> int:
@@ -61,32 +73,118 @@ class Placement:
         return self.expert_device.shape[1]
 
     @property
+    def redundant(self) -> int:
+        """R, redundant (replica) slots per device."""
+        return int(self.replicas.shape[2])
+
+    @property
     def experts_per_device(self) -> int:
-        return self.num_experts // self.ep_size
+        """Physical expert slots per device, ``N/E + R`` (what each EP rank allocates)."""
+        return self.num_experts // self.ep_size + self.redundant
+
+    @property
+    def num_physical_experts(self) -> int:
+        """``E * (N/E + R)`` = ``N + E*R`` (vLLM's ``num_physical_experts``)."""
+        return self.ep_size * self.experts_per_device
+
+    def holds(self) -> np.ndarray:
+        """``[L, N, E]`` bool: device ``e`` holds a copy (home or replica) of expert ``n``."""
+        L, N, E = self.num_layers, self.num_experts, self.ep_size
+        out = np.zeros((L, N, E), bool)
+        rows = np.arange(L)[:, None]
+        out[rows, np.arange(N)[None, :], self.expert_device] = True
+        if self.redundant:
+            devices = np.broadcast_to(np.arange(E)[None, :, None], self.replicas.shape)
+            out[np.broadcast_to(rows[:, :, None], self.replicas.shape), self.replicas, devices] = True
+        return out
+
+    def replica_count(self) -> np.ndarray:
+        """``[L, N]`` int64: copies of each logical expert (vLLM's ``logical_replica_count``)."""
+        return self.holds().sum(axis=2).astype(np.int64)
 
     def physical_to_logical(self) -> np.ndarray:
-        """``[L, N]`` int64: logical expert stored in each physical slot.
+        """``[L, E*(N/E+R)]`` int64: logical expert stored in each physical slot.
 
-        Apply it as ``w13[l] = w13_logical[l][p2l[l]]`` and
+        Apply it as ``w13[l] = w13_logical[l][p2l[l]]``; with ``R = 0`` it is a permutation and
         ``router_logits_physical = router_logits_logical[:, p2l[l]]``.
         """
         # stable sort by device keeps logical ids ascending inside a device
-        return np.argsort(self.expert_device, axis=1, kind="stable")
+        home = np.argsort(self.expert_device, axis=1, kind="stable")
+        if not self.redundant:
+            return home
+        L, E, n = self.num_layers, self.ep_size, self.num_experts // self.ep_size
+        home = home.reshape(L, E, n)
+        extra = np.sort(self.replicas.astype(np.int64), axis=2)
+        return np.concatenate([home, extra], axis=2).reshape(L, E * (n + self.redundant))
 
     def logical_to_physical(self) -> np.ndarray:
-        """``[L, N]`` int64: physical slot of each logical expert (inverse of the above)."""
+        """``[L, N]`` int64: physical slot of each logical expert's home copy (with ``R = 0``,
+        the inverse of :meth:`physical_to_logical`)."""
+        return self.logical_to_physical_map()[:, :, 0]
+
+    def logical_to_physical_map(self) -> np.ndarray:
+        """``[L, N, 1 + E*R]`` int64: physical slots of every copy of each logical expert, home
+        slot first, then replica slots ascending, padded with ``-1`` (vLLM EPLB's
+        ``logical_to_physical_map``, whose width is ``num_redundant_experts + 1``)."""
         p2l = self.physical_to_logical()
-        l2p = np.empty_like(p2l)
-        rows = np.arange(self.num_layers)[:, None]
-        l2p[rows, p2l] = np.arange(self.num_experts)[None, :]
-        return l2p
+        L, P = p2l.shape
+        N, n, R = self.num_experts, self.num_experts // self.ep_size, self.redundant
+        out = np.full((L, N, 1 + self.ep_size * R), -1, np.int64)
+        fill = np.zeros((L, N), np.int64)
+        is_home = (np.arange(P) % (n + R)) < n
+        for p in np.concatenate([np.nonzero(is_home)[0], np.nonzero(~is_home)[0]]):
+            rows = np.arange(L)
+            out[rows, p2l[:, p], fill[rows, p2l[:, p]]] = p
+            fill[rows, p2l[:, p]] += 1
+        return out
 
     @classmethod
-    def from_physical_to_logical(cls, p2l: np.ndarray, ep_size: int, method: str = "") -> "Placement":
-        """Inverse of :meth:`physical_to_logical`: slot ``p`` lives on device ``p // (N/E)``."""
-        p2l = np.asarray(p2l)
-        L, N = p2l.shape
-        e2d = np.empty((L, N), np.int16)
+    def from_physical_to_logical(cls, p2l: np.ndarray, ep_size: int, method: str = "",
+                                 num_experts: int | None = None) -> "Placement":
+        """Inverse of :meth:`physical_to_logical`: device ``d`` owns slots
+        ``d*(n+R) .. (d+1)*(n+R)-1``, the first ``n`` being home copies.
+
+        ``num_experts`` (N) defaults to the slot count (``R = 0``); give it when ``R > 0``.
+        """
+        p2l = np.asarray(p2l, np.int64)
+        L, P = p2l.shape
+        N = P if num_experts is None else int(num_experts)
+        E = int(ep_size)
+        if E < 1 or P % E or N % E or P < N:
+            raise PlacementError(f"physical_to_logical of width {P} does not fit {N} experts on ep_size={E}")
+        n, R = N // E, (P - N) // E
+        per_device = p2l.reshape(L, E, n + R)
+        e2d = np.full((L, N), -1, np.int64)
         rows = np.arange(L)[:, None]
-        e2d[rows, p2l] = (np.arange(N) // (N // ep_size))[None, :]
-        return cls(e2d, ep_size, method)
+        e2d[rows, per_device[:, :, :n].reshape(L, N)] = (np.arange(N) // n)[None, :]
+        if (e2d < 0).any():
+            raise PlacementError("physical_to_logical: some logical expert has no home slot")
+        return cls(e2d, E, method, per_device[:, :, n:] if R else None)
+
+
+def _check_replicas(replicas, e2d: np.ndarray, ep_size: int) -> np.ndarray:
+    """Validate ``[L, E, R]`` replica ids against the home placement; ``None`` → ``R = 0``."""
+    L, N = e2d.shape
+    if replicas is None:
+        return np.zeros((L, ep_size, 0), np.int16)
+    rep = np.asarray(replicas)
+    if rep.ndim != 3 or rep.shape[:2] != (L, ep_size):
+        raise PlacementError(f"replicas: expected shape [L={L}, E={ep_size}, R], got {rep.shape}")
+    R = rep.shape[2]
+    if R and (rep.min() < 0 or rep.max() >= N):
+        raise PlacementError(f"replicas: expert ids must be in [0, {N}), got {rep.min()}..{rep.max()}")
+    if R > N - N // ep_size:
+        raise PlacementError(f"{R} redundant slots per device exceed the {N - N // ep_size} experts a device lacks")
+    rep = rep.astype(np.int64)
+    if R:
+        home = np.take_along_axis(e2d.astype(np.int64), rep.reshape(L, -1), axis=1).reshape(rep.shape)
+        bad = np.argwhere(home == np.arange(ep_size)[None, :, None])
+        if len(bad):
+            l, d, r = bad[0]
+            raise PlacementError(f"layer {l}: device {d} replicates expert {rep[l, d, r]}, which it already holds")
+        srt = np.sort(rep, axis=2)
+        dup = np.argwhere(srt[:, :, 1:] == srt[:, :, :-1])
+        if len(dup):
+            l, d, _ = dup[0]
+            raise PlacementError(f"layer {l}: device {d} holds two copies of one replicated expert")
+    return rep.astype(np.int16)

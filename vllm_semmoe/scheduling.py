@@ -9,7 +9,10 @@ local on each device" as stored in :class:`~vllm_semmoe.tables.SemMoETables`.
   next-best rank; :func:`shuffle_permutation` turns the result into the permutation applied by
   the shuffled reduce-scatter and its inverse (applied by the shuffled all-gather).
 - Attention-DP (inter-request): :func:`request_votes` sums T2D votes over a prompt;
-  :func:`dp_assign` picks ranks under a token-load balance rule.
+  :func:`dp_assign` picks ranks by :func:`dp_choose_balanced` (locality against the
+  ranks' work, :func:`request_work`: prompt tokens plus a decode weight); :func:`least_loaded_assign` and
+  :func:`round_robin_assign` are the locality-blind references, :func:`window_imbalance` the
+  lock-step balance figure.
 """
 
 from __future__ import annotations
@@ -247,29 +250,85 @@ def dp_state(ep_size: int) -> np.ndarray:
     return np.zeros(ep_size + 2)
 
 
-@numba.njit(cache=True)
-def dp_assign(votes, lengths, price_step, eps, window, round_robin_mask):
-    """Choose a DP rank per request, in arrival order, by T2D votes, balanced.
+#: Decode weight of a request when nothing better is known: tokens it will generate.
+DEFAULT_DECODE_WEIGHT = 128.0
 
-    Each request goes through :func:`dp_choose` (price-balanced votes). Optionally a hard guard
-    applies on top: over the last ``window`` requests a rank's token load may not exceed
-    ``(1 + eps)`` times the mean; if no rank qualifies, the least-loaded one is taken.
+
+def request_work(lengths: np.ndarray, decode_weight: float = DEFAULT_DECODE_WEIGHT) -> np.ndarray:
+    """``[R]`` float64 work of each request: prompt tokens plus a per-request decode weight.
+
+    DP attention ranks run in lock step, so what a rank must carry is its prefill tokens plus
+    one decode token per running request per step; ``decode_weight`` (the expected output
+    length: the profile's mean where known, else :data:`DEFAULT_DECODE_WEIGHT`) puts the two
+    on one scale. ``lengths``: ``[R]`` prompt tokens.
+    """
+    return np.maximum(np.asarray(lengths, np.float64), 1.0) + float(decode_weight)
+
+
+def balance_window(ep_size: int) -> int:
+    """Requests per balance window, ``W = 32 × ranks``: long enough for the long-tailed prompt
+    lengths (the longest prompt is ~4x a rank's mean load in a 64-request window)."""
+    return 32 * int(ep_size)
+
+
+@numba.njit(cache=True)
+def dp_choose_balanced(votes, load, mean_work, balance):
+    """One online DP decision for lock-stepped ranks: the rank maximising
+
+        votes[e] / max(votes)  -  balance · (load[e] - min(load)) / mean_work,
+
+    i.e. relative locality preference minus a penalty per mean request of work the rank
+    carries beyond the least-loaded one. ``balance = 0`` is pure locality; a large ``balance``
+    is the least-loaded balancer (locality then only breaks ties). A request with flat votes
+    (unseen tokens) goes to the least-loaded rank; one with a strong preference pays for it.
+
+    Args:
+        votes: ``[E]`` predicted local activations per rank (:func:`request_votes`).
+        load: ``[E]`` work per rank now: in serving the in-flight work (prompt plus tokens
+            generated so far of running requests); offline the work of the rank's requests among
+            the last ``W`` (see :func:`dp_assign`).
+        mean_work: the mean work of one request (scales ``load``).
+        balance: the locality-vs-balance knob.
+    Returns:
+        The chosen rank (ties → lowest).
+    """
+    E = votes.shape[0]
+    top = max(votes.max(), 1e-30)
+    low = load.min()
+    scale = balance / max(mean_work, 1e-30)
+    chosen = 0
+    best = -np.inf
+    for e in range(E):
+        value = votes[e] / top - scale * (load[e] - low)
+        if value > best:
+            best, chosen = value, e
+    return chosen
+
+
+@numba.njit(cache=True)
+def dp_assign(votes, work, balance, window, round_robin_mask):
+    """Choose a DP rank per request, in arrival order (no look-ahead), by T2D votes, balanced.
+
+    Each request goes through :func:`dp_choose_balanced` with every rank's work over the last
+    ``window`` requests (a stand-in for in-flight work: requests finish roughly in arrival
+    order) and the mean request work so far.
 
     With ``round_robin_mask`` the paper's rule is used instead: within every ``E``
     consecutive requests each rank is chosen once (best-voted free rank, arrival order).
 
     Args:
-        votes: ``[R, E]`` predicted local activations per rank; lengths: ``[R]`` prompt tokens.
+        votes: ``[R, E]`` predicted local activations per rank; work: ``[R]`` what the balance
+            counts (:func:`request_work`); balance: the locality-vs-balance knob.
     Returns:
         ``[R]`` int64 rank per request.
     """
     R, E = votes.shape
     rank = np.empty(R, np.int64)
     load = np.zeros(E)
-    state = np.zeros(E + 2)
     eligible = np.ones(E, np.bool_)
+    total = 0.0
     for r in range(R):
-        x = max(lengths[r], 1.0)
+        total += work[r]
         if round_robin_mask:
             if r % E == 0:
                 eligible[:] = True
@@ -280,16 +339,54 @@ def dp_assign(votes, lengths, price_step, eps, window, round_robin_mask):
                     eligible[ranking[k]] = False
                     break
         else:
-            limit = (1.0 + eps) * (load.sum() + x) / E
-            any_fits = False
-            for e in range(E):
-                eligible[e] = load[e] + x <= limit
-                any_fits = any_fits or eligible[e]
-            if any_fits:
-                rank[r] = dp_choose(votes[r], x, state, price_step, eligible)
-            else:
-                rank[r] = np.argmin(load)
-        load[rank[r]] += x
+            rank[r] = dp_choose_balanced(votes[r], load, total / (r + 1), balance)
+        load[rank[r]] += work[r]
         if r >= window:
-            load[rank[r - window]] -= max(lengths[r - window], 1.0)
+            load[rank[r - window]] -= work[r - window]
     return rank
+
+
+@numba.njit(cache=True)
+def least_loaded_assign(work, ep_size, window):
+    """Online least-loaded balancer (no locality): each request, in arrival order, to the rank
+    with the least work over the last ``window`` requests (ties → lowest rank).
+
+    work: ``[R]``. Returns ``[R]`` int64 rank per request.
+    """
+    R = len(work)
+    rank = np.empty(R, np.int64)
+    load = np.zeros(ep_size)
+    for r in range(R):
+        rank[r] = np.argmin(load)
+        load[rank[r]] += work[r]
+        if r >= window:
+            load[rank[r - window]] -= work[r - window]
+    return rank
+
+
+def round_robin_assign(num_requests: int, ep_size: int) -> np.ndarray:
+    """``[R]`` int64: request ``r`` to rank ``r mod E`` (vLLM's default without load stats)."""
+    return np.arange(num_requests) % ep_size
+
+
+def window_imbalance(rank: np.ndarray, work: np.ndarray, ep_size: int, window: int) -> float:
+    """Mean over consecutive windows of ``window`` requests of max/mean work per rank.
+
+    Lock-stepped DP ranks wait for the most loaded one at every MoE layer, so balance must hold
+    over short stretches of the arrival stream, not only cumulatively. Windows are
+    non-overlapping; a trailing partial window counts only when it is the only one.
+
+    Args:
+        rank: ``[R]`` rank of each request; work: ``[R]`` its work (ones for request counts).
+    """
+    rank = np.asarray(rank, np.int64)
+    work = np.asarray(work, np.float64)
+    R = len(rank)
+    if R == 0:
+        return 1.0
+    starts = range(0, max(R - window, 0) + 1, window) if R >= window else [0]
+    ratios = []
+    for s in starts:
+        load = np.bincount(rank[s:s + window], weights=work[s:s + window], minlength=ep_size)
+        ratios.append(load.max() / load.mean())
+    return float(np.mean(ratios))

@@ -13,6 +13,12 @@ Per MoE layer ``l`` (E = EP size):
 
 Scores are smoothed towards the layer prior with ``alpha`` pseudo-occurrences so that tokens
 seen once do not claim full confidence. Tables save to a directory with a JSON manifest.
+
+With replication (``placement.redundant = R > 0``) an expert may be held by several devices;
+"local on device ``e``" then means "``e`` holds a copy", so a token's shares over devices can
+sum to more than 1, and every table (and :func:`placement_device_counts`) counts copies.
+Format ``vllm-semmoe-tables/2`` adds ``redundant`` to the manifest and the ``replicas`` array;
+``/1`` tables (no replication) still load.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import numpy as np
 
 from . import __version__
 from .affinity import token_expert_counts
-from .placement import Placement
+from .placement import Placement, PlacementError
 from .trace import RoutingTrace
 
 MANIFEST = "manifest.json"
 ARRAYS = "tables.npz"
+FORMAT = "vllm-semmoe-tables/2"  # /2 adds "redundant" and the "replicas" array
+READABLE_FORMATS = ("vllm-semmoe-tables/1", FORMAT)
 
 
 class TablesError(ValueError):
@@ -51,6 +59,10 @@ class SemMoETables:
     vocab_size: int
     mode: str
     source_trace: str
+    #: ``[V]`` int32 optional: row used for a token id that was never profiled (its nearest
+    #: profiled neighbour in the model's embedding space, :func:`nearest_profiled_rows`);
+    #: ``None``: unseen tokens use ``oov_score``
+    oov_rows: np.ndarray | None = None
 
     @property
     def ep_size(self) -> int:
@@ -75,12 +87,17 @@ class SemMoETables:
         return self.t2d_score.max(axis=2).astype(np.float32)
 
     def token_rows(self, tokens: np.ndarray) -> np.ndarray:
-        """``[T]`` int64 row of each token id in ``t2d_score``; ``-1`` for unseen tokens."""
+        """``[T]`` int64 row of each token id in ``t2d_score``; for unseen tokens the row of
+        their nearest profiled neighbour when ``oov_rows`` is set, else ``-1``."""
         tokens = np.asarray(tokens, np.int64)
         pos = np.searchsorted(self.t2d_tokens, tokens)
         pos = np.minimum(pos, max(len(self.t2d_tokens) - 1, 0))
         found = (len(self.t2d_tokens) > 0) & (self.t2d_tokens[pos] == tokens)
-        return np.where(found, pos, -1)
+        rows = np.where(found, pos, -1)
+        if self.oov_rows is not None:
+            known = ~found & (tokens >= 0) & (tokens < len(self.oov_rows))
+            rows[known] = self.oov_rows[tokens[known]]
+        return rows
 
     def check_compatible(self, *, num_layers: int, num_experts: int, ep_size: int | None = None) -> None:
         """Raise :class:`TablesError` naming each mismatch with the running model/EP size."""
@@ -97,16 +114,18 @@ class SemMoETables:
     # ---- I/O -----------------------------------------------------------------------------
     def manifest(self) -> dict:
         return {
-            "format": "vllm-semmoe-tables/1",
+            "format": FORMAT,
             "semmoe_version": __version__,
             "method": self.placement.method,
             "mode": self.mode,
             "ep_size": self.ep_size,
+            "redundant": self.placement.redundant,
             "num_layers": self.num_layers,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
             "vocab_size": self.vocab_size,
             "profiled_tokens": int(len(self.t2d_tokens)),
+            "oov": "prior" if self.oov_rows is None else "nearest",
             "source_trace": self.source_trace,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -117,10 +136,12 @@ class SemMoETables:
         np.savez_compressed(
             os.path.join(directory, ARRAYS),
             expert_device=self.placement.expert_device,
+            replicas=self.placement.replicas,
             t2d_tokens=self.t2d_tokens,
             t2d_score=self.t2d_score,
             markov=self.markov,
             oov_score=self.oov_score,
+            **({} if self.oov_rows is None else {"oov_rows": self.oov_rows}),
         )
         with open(os.path.join(directory, MANIFEST), "w") as f:
             json.dump(self.manifest(), f, indent=2)
@@ -147,9 +168,19 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise TablesError(f"{directory}: unreadable tables ({exc})") from None
-    if manifest.get("format") != "vllm-semmoe-tables/1":
-        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
-    placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"])
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r} "
+                          f"(this version reads {', '.join(READABLE_FORMATS)})")
+    redundant = int(manifest.get("redundant", 0))
+    replicas = arrays.get("replicas")
+    if redundant and (replicas is None or replicas.ndim != 3 or replicas.shape[2] != redundant):
+        raise TablesError(f"{directory}: manifest says {redundant} redundant slots per device but the "
+                          f"replicas array is {None if replicas is None else replicas.shape}")
+    try:
+        placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"],
+                              replicas if redundant else None)
+    except PlacementError as exc:
+        raise TablesError(f"{directory}: invalid placement ({exc})") from None
     L, E = placement.num_layers, placement.ep_size
     expected = {
         "t2d_score": (L, len(arrays["t2d_tokens"]), E),
@@ -169,6 +200,7 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
         vocab_size=int(manifest["vocab_size"]),
         mode=manifest["mode"],
         source_trace=manifest["source_trace"],
+        oov_rows=arrays.get("oov_rows"),
     )
     if num_layers is not None or num_experts is not None:
         tables.check_compatible(
@@ -180,13 +212,16 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
 
 
 def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp",
-                 alpha: float = 1.0) -> SemMoETables:
+                 alpha: float = 1.0, embedding: np.ndarray | None = None) -> SemMoETables:
     """Derive T2D, A and the OOV default from a profile trace and a placement.
 
     Args:
         profile: the calibration trace.
         placement: the expert placement the tables describe.
         alpha: smoothing, in pseudo-occurrences of the layer prior.
+        embedding: optional ``[V, H]`` input embedding matrix of the model; then a token never
+            profiled takes the T2D row of its nearest profiled neighbour (the paper's rule,
+            :func:`nearest_profiled_rows`) instead of the layer prior.
     """
     if placement.num_layers != profile.num_layers or placement.num_experts != profile.num_experts:
         raise TablesError(
@@ -195,17 +230,16 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         )
     E, K = placement.ep_size, profile.top_k
     token_ids, counts = token_expert_counts(profile)  # [L, J, N]
-    dev_counts = device_counts(profile.experts, placement.expert_device, E)  # [T, L, E]
-    prior = dev_counts.sum(axis=0).astype(np.float64)  # [L, E]
-    prior /= prior.sum(axis=1, keepdims=True)
+    dev_counts = placement_device_counts(profile.experts, placement)  # [T, L, E]
+    # the layer prior: share of all activations local on each device (sums to 1 when R = 0)
+    prior = dev_counts.sum(axis=0).astype(np.float64) / max(profile.num_tokens * K, 1)  # [L, E]
     # T2D: per token, activations per device, smoothed towards the layer prior
-    onehot = np.eye(E)[placement.expert_device]  # [L, N, E]
-    per_device = np.einsum("ljn,lne->lje", counts, onehot)
+    holds = placement.holds().astype(np.float64)  # [L, N, E]
+    per_device = np.einsum("ljn,lne->lje", counts, holds)
     occurrences = counts[0].sum(axis=1) / K  # [J]
     t2d = (per_device / K + alpha * prior[:, None, :]) / (occurrences[None, :, None] + alpha)
-    markov = _markov_counts(dev_counts).astype(np.float64)  # [L, E*E, E] activations
-    seen = markov.sum(axis=2, keepdims=True) / K
-    markov = (markov / K + alpha * prior[:, None, :]) / (seen + alpha)
+    markov, seen = _markov_counts(dev_counts)  # [L, E*E, E] activations, [L, E*E] tokens
+    markov = (markov / K + alpha * prior[:, None, :]) / (seen[:, :, None] + alpha)
     markov[:2] = 0.0
     return SemMoETables(
         placement=placement,
@@ -217,7 +251,58 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         vocab_size=profile.vocab_size,
         mode=mode,
         source_trace=profile.fingerprint(),
+        oov_rows=None if embedding is None else nearest_profiled_rows(embedding, token_ids),
     )
+
+
+def nearest_profiled_rows(embedding: np.ndarray, profiled: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """``[V]`` int32: for every token id, the T2D row of its nearest profiled token by cosine
+    similarity of input embeddings (a profiled token maps to its own row).
+
+    Args:
+        embedding: ``[V, H]`` the model's input embedding matrix.
+        profiled: ``[J]`` ascending profiled token ids (``t2d_tokens``), all ``< V``.
+    """
+    emb = np.asarray(embedding, np.float32)
+    if emb.ndim != 2:
+        raise TablesError(f"embedding: expected [V, H], got shape {emb.shape}")
+    profiled = np.asarray(profiled, np.int64)
+    if len(profiled) == 0:
+        raise TablesError("no profiled tokens to map unseen tokens to")
+    if profiled.max() >= len(emb):
+        raise TablesError(f"profiled token id {profiled.max()} is outside the embedding's {len(emb)} rows; "
+                          "is the embedding from the model that produced the trace?")
+    unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    keys = np.ascontiguousarray(unit[profiled].T)  # [H, J]
+    rows = np.empty(len(emb), np.int32)
+    for start in range(0, len(emb), chunk):
+        rows[start:start + chunk] = np.argmax(unit[start:start + chunk] @ keys, axis=1)
+    rows[profiled] = np.arange(len(profiled))
+    return rows
+
+
+def placement_device_counts(experts: np.ndarray, placement: Placement) -> np.ndarray:
+    """``[T, L, E]`` uint8: how many of each token's top-k experts device ``e`` holds a copy of
+    (home or replica); equals :func:`device_counts` when ``placement.redundant == 0``.
+
+    experts: ``[T, L, K]``.
+    """
+    if not placement.redundant:
+        return device_counts(experts, placement.expert_device, placement.ep_size)
+    return _holding_counts(experts, placement.holds().astype(np.uint8))
+
+
+@numba.njit(cache=True)
+def _holding_counts(experts, holds):
+    T, L, K = experts.shape
+    E = holds.shape[2]
+    out = np.zeros((T, L, E), np.uint8)
+    for t in range(T):
+        for l in range(L):
+            for k in range(K):
+                for e in range(E):
+                    out[t, l, e] += holds[l, experts[t, l, k], e]
+    return out
 
 
 def device_counts(experts: np.ndarray, expert_device: np.ndarray, ep_size: int) -> np.ndarray:
@@ -256,12 +341,16 @@ def majority_device(dev_counts):
 
 @numba.njit(cache=True)
 def _markov_counts(dev_counts):
+    """``([L, E*E, E] float64 activations local per device, [L, E*E] float64 tokens)`` per
+    history ``d2 * E + d1`` (majority devices at the two previous layers)."""
     T, L, E = dev_counts.shape
     major = majority_device(dev_counts)
-    out = np.zeros((L, E * E, E), np.int64)
+    out = np.zeros((L, E * E, E))
+    seen = np.zeros((L, E * E))
     for t in range(T):
         for l in range(2, L):
             h = major[t, l - 2] * E + major[t, l - 1]
+            seen[l, h] += 1.0
             for e in range(E):
                 out[l, h, e] += dev_counts[t, l, e]
-    return out
+    return out, seen

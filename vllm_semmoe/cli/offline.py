@@ -12,6 +12,8 @@ from .output import Progress, add_json_argument, cell, write_json
 DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
 COLUMNS = ("lar", "lar_token", "oracle_lar", "lar_with_semmoe_sched", "a2a_ratio", "imbalance",
            "expert_imbalance", "solve_s")
+DP_COLUMNS = ("window_imbalance", "window_imbalance_least_loaded", "window_imbalance_round_robin",
+              "request_imbalance")
 
 
 def method_names() -> tuple[str, ...]:
@@ -107,16 +109,20 @@ def cmd_solve(args) -> int:
     profile = trace.split(args.profile_frac, args.seed)[0] if args.profile_frac else trace
     start = time.perf_counter()
     if args.placement:
+        if args.redundant:
+            raise SystemExit("semmoe: --redundant applies to a solved placement, not to --placement FILE")
         placement = placement_from_file(args, profile)
     else:
         placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed,
-                                                  progress=Progress())
+                                                  redundant=args.redundant, progress=Progress())
     solve_s = time.perf_counter() - start
-    tables = build_tables(profile, placement, mode=args.mode)
+    tables = build_tables(profile, placement, mode=args.mode, embedding=_embedding(args))
     tables.save(args.out)
+    replicas = (f", {placement.redundant} redundant slot(s) per device ({placement.experts_per_device} "
+                f"physical experts per rank)" if placement.redundant else "")
     print(
         f"{placement.method} placement for {placement.num_layers} layers x {placement.num_experts} experts "
-        f"on EP {args.ep} ({args.mode} mode) solved in {solve_s:.1f} s; tables in {args.out}"
+        f"on EP {args.ep} ({args.mode} mode{replicas}) solved in {solve_s:.1f} s; tables in {args.out}"
     )
     if args.json:
         write_json(args.json, dict(tables.manifest(), solve_s=solve_s, out=args.out,
@@ -139,36 +145,153 @@ def placement_from_file(args, profile):
 
 
 # ---- eval --------------------------------------------------------------------------------------
-def cmd_eval(args) -> int:
-    from ..evaluate import EvalConfig, compare_methods
+def seed_list(value: str) -> list[int]:
+    """argparse type of ``eval --seeds``: comma-separated integers, e.g. ``0,1,2,3,4``."""
+    try:
+        seeds = [int(s) for s in value.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers, got {value!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs distinct integers, got {value!r}")
+    return seeds
 
-    profile, trace = load_split(args)
+
+def float_list(value: str) -> list[float]:
+    """argparse type of ``eval --dp-balance-curve``: comma-separated numbers."""
+    try:
+        return [float(s) for s in value.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
+
+
+def cmd_eval(args) -> int:
+    from dataclasses import replace
+
+    from ..evaluate import EvalConfig, aggregate_seeds, compare_methods
+
+    if args.seeds and args.eval:
+        raise SystemExit("semmoe: --seeds re-splits --profile per seed; it cannot be used with --eval")
     config = EvalConfig(mode=args.mode, batch_tokens=args.batch_tokens, dp_window=args.dp_window,
-                        dp_eps=args.dp_eps, dp_price_step=args.dp_price_step,
-                        round_robin_mask=args.round_robin_mask)
-    rows = compare_methods(profile, trace, args.ep, args.method, config, seed=args.seed, progress=Progress())
-    print(format_eval_table(rows, args, profile, trace))
+                        dp_balance=args.dp_balance,
+                        round_robin_mask=args.round_robin_mask, dp_decode_weight=args.dp_decode_weight)
+    seeds = args.seeds or [args.seed]
+    embedding = _embedding(args)
+    per_seed, curve_per_seed, split = [], [], None
+    for seed in seeds:
+        args.seed = seed
+        profile, trace = load_split(args)
+        split = split or (profile, trace)
+        per_seed.append(compare_methods(profile, trace, args.ep, args.method, config, seed=seed,
+                                        redundant=args.redundant, progress=Progress(),
+                                        embedding=embedding))
+        if args.dp_balance_curve:
+            curve_per_seed.append(_dp_curve(profile, trace, args, config, seed))
+    rows = aggregate_seeds(per_seed) if args.seeds else per_seed[0]
+    print(format_eval_table(rows, args, *split))
+    if args.mode == "dp":
+        print(format_dp_table(rows))
+    curve = None
+    if args.dp_balance_curve:
+        curve = aggregate_seeds(curve_per_seed) if args.seeds else curve_per_seed[0]
+        print(format_curve(curve))
     if args.json:
-        write_json(args.json, {
-            "mode": args.mode, "ep": args.ep, "seed": args.seed,
-            "profile_tokens": profile.num_tokens, "eval_tokens": trace.num_tokens,
-            "config": config.__dict__, "methods": rows,
-        })
+        payload = {"mode": args.mode, "ep": args.ep, "redundant": args.redundant,
+                   "oov": "nearest" if embedding is not None else "prior",
+                   "config": replace(config).__dict__, "methods": rows}
+        if args.seeds:
+            payload["seeds"] = seeds
+        else:
+            payload.update(seed=seeds[0], profile_tokens=split[0].num_tokens, eval_tokens=split[1].num_tokens)
+        if curve is not None:
+            payload["dp_curve"] = curve
+        write_json(args.json, payload)
     return 0
 
 
+def _embedding(args):
+    """The ``--oov-neighbours`` checkpoint's input embedding matrix, or ``None``."""
+    if not getattr(args, "oov_neighbours", None):
+        return None
+    from ..affinity import checkpoint_embedding
+
+    return checkpoint_embedding(args.oov_neighbours)
+
+
+def _dp_curve(profile, trace, args, config, seed) -> dict:
+    """Sem-MoE's DP LAR and balance for every knob value of ``--dp-balance-curve`` (one solve)."""
+    from dataclasses import replace
+
+    from ..evaluate import compare_methods
+
+    solved = {}
+
+    def once(key, solve):
+        if "p" not in solved:
+            solved["p"] = solve()
+        return solved["p"]
+
+    curve = {}
+    for knob in args.dp_balance_curve:
+        row = compare_methods(profile, trace, args.ep, ["semmoe"], replace(config, dp_balance=knob), seed=seed,
+                              redundant=args.redundant, solve_cache=once, embedding=_embedding(args))["semmoe"]
+        curve[f"balance={knob:g}"] = {k: row[k] for k in ("lar", *DP_COLUMNS)}
+    return curve
+
+
+def _mean(value):
+    """A figure, or the mean of a multi-seed ``{"mean", "sd", "per_seed"}`` figure."""
+    return value["mean"] if isinstance(value, dict) else value
+
+
+def _cell(value, width: int) -> str:
+    if isinstance(value, dict):  # mean ± sd
+        return f"{value['mean']:.4f}±{value['sd']:.4f}".rjust(width)
+    return cell(value, width)
+
+
 def format_eval_table(rows: dict, args, profile, trace) -> str:
-    head = (f"EP {args.ep}, {args.mode.upper()} mode; profile {profile.num_requests} requests / "
-            f"{profile.num_tokens} tokens, evaluation {trace.num_requests} requests / {trace.num_tokens} tokens")
-    lines = [head, f"{'method':<12}" + "".join(f"{c:>{max(len(c), 9) + 2}}" for c in COLUMNS)]
+    multi = bool(getattr(args, "seeds", None))
+    if multi:
+        head = (f"EP {args.ep}, {args.mode.upper()} mode; seeds {','.join(map(str, args.seeds))} "
+                f"(profile {args.profile_frac or 0.2:.0%} of requests per seed); mean ± sd over seeds")
+    else:
+        head = (f"EP {args.ep}, {args.mode.upper()} mode; profile {profile.num_requests} requests / "
+                f"{profile.num_tokens} tokens, evaluation {trace.num_requests} requests / {trace.num_tokens} tokens")
+    if getattr(args, "redundant", 0):
+        head += f"; {args.redundant} redundant slot(s) per device where the method replicates"
+    width = lambda c: max(len(c), 15 if multi else 9) + 2  # noqa: E731
+    lines = [head, f"{'method':<12}" + "".join(f"{c:>{width(c)}}" for c in COLUMNS)]
     for name, row in rows.items():
-        lines.append(f"{name:<12}" + "".join(cell(row.get(c), max(len(c), 9) + 2) for c in COLUMNS))
+        lines.append(f"{name:<12}" + "".join(_cell(row.get(c), width(c)) for c in COLUMNS))
+    return "\n".join(lines)
+
+
+def format_dp_table(rows: dict) -> str:
+    """DP lock-step balance: work per rank over windows of 32 x ranks requests."""
+    width = lambda c: max(len(c), 15) + 2  # noqa: E731
+    lines = ["DP balance over windows of 32 x ranks requests (work = prompt tokens + decode weight):",
+             f"{'method':<12}" + "".join(f"{c:>{width(c)}}" for c in DP_COLUMNS)]
+    for name, row in rows.items():
+        lines.append(f"{name:<12}" + "".join(_cell(row.get(c), width(c)) for c in DP_COLUMNS))
+    return "\n".join(lines)
+
+
+def format_curve(curve: dict) -> str:
+    """Sem-MoE's LAR against its window imbalance, one line per value of the DP knob."""
+    lines = ["locality vs balance (semmoe, DP knob --dp-balance):",
+             f"{'knob':<12}{'lar':>17}{'window_imbalance':>19}{'/ least-loaded':>16}{'request_imbalance':>19}"]
+    for knob, row in curve.items():
+        ratio = _mean(row["window_imbalance"]) / _mean(row["window_imbalance_least_loaded"])
+        lines.append(f"{knob:<12}{_cell(row['lar'], 17)}{_cell(row['window_imbalance'], 19)}{ratio:>16.4f}"
+                     f"{_cell(row['request_imbalance'], 19)}")
     return "\n".join(lines)
 
 
 # ---- parsers -----------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """Register ``analyze``, ``solve`` and ``eval`` on the ``semmoe`` sub-parser set."""
+    from ..evaluate import DEFAULT_DP_BALANCE
+
     methods = method_names()
 
     p = sub.add_parser("analyze", help="token→expert affinity evidence of routing traces (side by side)")
@@ -185,6 +308,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--profile-frac", type=float, default=None,
                    help="profile only on this seeded fraction of the requests (default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redundant", type=int, default=0, metavar="R",
+                   help="replica slots per device for locality (semmoe only; vLLM EPLB layout, "
+                        "num_redundant_experts = EP x R; default 0)")
+    p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
+                   help="map tokens never profiled to their nearest profiled token in this checkpoint's "
+                        "input-embedding space (the paper's rule; default: the layer prior)")
     p.add_argument("--out", required=True, help="output directory for tables.npz + manifest.json")
     p.add_argument("--placement", help="take the placement from this SGLang --init-expert-location or vLLM "
                                        "offline-EPLB file instead of solving (--method is then ignored)")
@@ -198,14 +327,30 @@ def add_parsers(sub) -> None:
     p.add_argument("--eval", help="routing trace to evaluate on (default: split --profile by request)")
     p.add_argument("--profile-frac", type=float, default=None, help="profile share of a request split (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed")
+    p.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
+                   help="evaluate on every seed's split and report each figure as mean ± sd "
+                        "(JSON: {'mean', 'sd', 'per_seed'}); e.g. 0,1,2,3,4")
+    p.add_argument("--redundant", type=int, default=0, metavar="R",
+                   help="replica slots per device for methods that replicate (semmoe; default 0)")
+    p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
+                   help="map tokens never profiled to their nearest profiled token in this checkpoint's "
+                        "input-embedding space (the paper's rule; default: the layer prior)")
     p.add_argument("--ep", type=int, default=8)
     p.add_argument("--mode", default="tp", choices=("tp", "dp"))
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(methods)}")
     p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")
-    p.add_argument("--dp-window", type=int, default=512, help="DP: requests remembered by the hard guard")
-    p.add_argument("--dp-eps", type=float, default=float("inf"), help="DP: hard guard slack (default off)")
-    p.add_argument("--dp-price-step", type=float, default=0.03, help="DP: rank-price step of the balance rule")
+    p.add_argument("--dp-window", type=int, default=None,
+                   help="DP: requests per balance window (default 32 x ranks)")
+    p.add_argument("--dp-balance", type=float, default=DEFAULT_DP_BALANCE,
+                   help="DP: locality-vs-balance knob: relative preference a request gives up per mean request "
+                        "of work a rank carries above the least-loaded one (0: pure locality; large: "
+                        f"least-loaded; default {DEFAULT_DP_BALANCE})")
+    p.add_argument("--dp-balance-curve", type=float_list, default=None, metavar="B,B,...",
+                   help="DP: also report semmoe's LAR against window imbalance for each knob value")
+    p.add_argument("--dp-decode-weight", type=float, default=None,
+                   help="DP: decode work per request in tokens (default: the profile's mean output length, "
+                        "128 where the profile has no decode tokens)")
     p.add_argument("--round-robin-mask", action="store_true", help="DP: the paper's round-robin mask instead")
     add_json_argument(p)
     p.set_defaults(func=cmd_eval)

@@ -20,6 +20,8 @@ class PlacementPolicy(ABC):
 
     #: registry name, used by ``semmoe solve --method``
     name: str = ""
+    #: whether ``solve`` can fill ``redundant > 0`` replica slots per device
+    supports_redundant: bool = False
 
     @abstractmethod
     def solve(
@@ -29,11 +31,28 @@ class PlacementPolicy(ABC):
         *,
         mode: str = "tp",
         seed: int = 0,
+        redundant: int = 0,
         progress: Progress = None,
     ) -> Placement:
-        """Return a balanced :class:`Placement` (exactly N/E experts per device per layer).
+        """Return a balanced :class:`Placement` (exactly N/E home experts per device per layer,
+        plus ``redundant`` replica slots per device where the policy supports replication).
 
         ``mode`` is the serving mode the placement is for (``"tp"``: tokens are scheduled per
         layer; ``"dp"``: whole requests stay on one rank); policies without a data-scheduling
         side ignore it.
         """
+
+
+def check_redundant(redundant: int, num_experts: int, ep_size: int, policy: str = "") -> None:
+    """Raise :class:`PlacementError` if ``redundant`` replica slots per device are not possible
+    (negative, more than the experts a device lacks, or asked of a policy without replication)."""
+    from ..placement import PlacementError
+
+    if redundant < 0:
+        raise PlacementError(f"redundant slots per device must be >= 0, got {redundant}")
+    if policy and redundant:
+        raise PlacementError(f"the {policy} placement does not replicate experts; use --redundant 0 "
+                             "or --method semmoe")
+    if redundant > num_experts - num_experts // ep_size:
+        raise PlacementError(f"{redundant} redundant slots per device exceed the "
+                             f"{num_experts - num_experts // ep_size} experts a device does not hold")

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from ..placement import Placement
-from .base import PlacementPolicy, Progress
+from .base import PlacementPolicy, Progress, check_redundant
 from .lp import assign_experts
 from .simple import balanced_packing, expert_loads
 
@@ -71,7 +71,8 @@ class MoETunerPolicy(PlacementPolicy):
     def __init__(self, load_slack: float = 0.10):
         self.load_slack = load_slack
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+        check_redundant(redundant, profile.num_experts, ep_size, self.name)
         F = layer_transitions(profile.experts, profile.num_experts)
         e2d = chain_placement(F, expert_loads(profile), ep_size, self.load_slack, progress)
         return Placement(e2d, ep_size, self.name)

@@ -7,7 +7,17 @@ minimise token-load imbalance plus expected remote activations. Like the paper w
    activation mass, under a token-load cap ``(1 + eps)·S/E`` (Lagrangian prices on devices);
 2. expert step: given the units' devices, place experts, exactly N/E per device, to maximise
    the activations that become local. This is a transportation problem; HiGHS solves it
-   exactly (it replaces the paper's greedy placement plus random pair swaps).
+   exactly (it replaces the paper's greedy placement plus random pair swaps). Expert load
+   (the paper's θ term, here a constraint): pairwise swaps that cost the least locality then
+   bring every device's profiled expert activations within ``(1 + load_slack)`` of the mean
+   (:func:`balance_swaps`).
+
+Replication for locality (``R`` redundant slots per device, after the co-clustering): the
+online scheduler is simulated on the profile with the solved placement's tables, and every
+device takes copies of the ``R`` experts that the tokens (TP) or requests (DP) it was given
+use most remotely (:func:`replicas_for_schedule`); copies also split a hot expert's load.
+Choosing the copies against the real scheduler beat co-clustering with replica-aware units on
+a split of the seed-0 profile (+3.8 vs +3.5 LAR points for R = 1).
 
 Both steps never lower the objective, so it converges; several seeded restarts keep the best.
 The data unit depends on the serving mode:
@@ -26,9 +36,14 @@ import numpy as np
 from ..affinity import token_expert_counts
 from ..placement import Placement
 from ..trace import RoutingTrace
-from .base import PlacementPolicy, Progress
+from .base import PlacementPolicy, Progress, check_redundant
 from ..scheduling import balanced_assignment
 from .lp import assign_experts
+
+
+#: default expert-load bound of the solve: a device's profiled expert activations may exceed
+#: the mean by this share (chosen on a split of the seed-0 profile; see benchmarks/SEEDS.md)
+DEFAULT_LOAD_SLACK = 0.05
 
 
 def local_share(counts: np.ndarray, e2d: np.ndarray, ep_size: int) -> np.ndarray:
@@ -39,16 +54,39 @@ def local_share(counts: np.ndarray, e2d: np.ndarray, ep_size: int) -> np.ndarray
     L, U, N = counts.shape
     share = np.zeros((U, ep_size))
     for l in range(L):
-        onehot = np.zeros((N, ep_size))
-        onehot[np.arange(N), e2d[l]] = 1.0
-        share += counts[l] @ onehot
+        _add_share(share, counts[l], e2d[l].astype(np.int64))
     total = counts.sum(axis=(0, 2)).astype(float)[:, None]
     return share / np.maximum(total, 1.0)
 
 
+# Small products as Numba loops, not BLAS: a multi-threaded BLAS on a busy 2-core machine turns
+# an [8 x 5000] @ [5000 x 64] product into ~0.4 s of thread contention.
+@numba.njit(cache=True)
+def _add_share(share, counts, device):
+    """``share [U, E] += counts [U, N]`` summed by expert device ``device [N]``."""
+    U, N = counts.shape
+    for u in range(U):
+        for n in range(N):
+            share[u, device[n]] += counts[u, n]
+
+
+@numba.njit(cache=True)
+def _gain(counts, device, ep_size):
+    """``[E, N]`` float64: activations of expert ``n`` by the units on device ``e``.
+
+    counts: ``[U, N]``; device: ``[U]``."""
+    U, N = counts.shape
+    gain = np.zeros((ep_size, N))
+    for u in range(U):
+        d = device[u]
+        for n in range(N):
+            gain[d, n] += counts[u, n]
+    return gain
+
+
 def cocluster(counts: np.ndarray, weight: np.ndarray, ep_size: int, *, eps: float, iters: int,
-              restarts: int, rng: np.random.Generator,
-              init_device: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+              restarts: int, rng: np.random.Generator, init_device: np.ndarray | None = None,
+              load_slack: float = np.inf) -> tuple[np.ndarray, np.ndarray, float]:
     """Alternating co-clustering of units and experts (see module docstring).
 
     Args:
@@ -56,6 +94,7 @@ def cocluster(counts: np.ndarray, weight: np.ndarray, ep_size: int, *, eps: floa
         weight: ``[U]`` token load of each unit.
         init_device: ``[U]`` optional starting device of every unit (one warm-started run);
             otherwise ``restarts`` runs from random balanced placements.
+        load_slack: a device's expert activations may exceed the mean by this share.
     Returns:
         ``(e2d [L, N], unit_device [U], objective)`` where objective is the profiled share of
         activations that are local.
@@ -70,13 +109,14 @@ def cocluster(counts: np.ndarray, weight: np.ndarray, ep_size: int, *, eps: floa
         if device is None:
             e2d = np.stack([rng.permutation(np.arange(N) // per_device) for _ in range(L)])
         else:
-            e2d = _place_for(counts, device, ep_size)
+            e2d = _place_for(counts, device, ep_size, load_slack)
         previous = -1.0
         for _ in range(iters):
             cap = (1.0 + eps) * weight.sum() / ep_size
             device, _ = balanced_assignment(local_share(counts, e2d, ep_size), weight, cap, 60)
-            e2d = _place_for(counts, device, ep_size)
-            objective = sum(float(counts[l][e2d[l][None, :] == device[:, None]].sum()) for l in range(L)) / total
+            e2d = _place_for(counts, device, ep_size, load_slack)
+            objective = sum(float(_gain(counts[l], device, ep_size)[e2d[l], np.arange(N)].sum())
+                            for l in range(L)) / total
             if objective <= previous + 1e-6:
                 break
             previous = objective
@@ -85,11 +125,81 @@ def cocluster(counts: np.ndarray, weight: np.ndarray, ep_size: int, *, eps: floa
     return best
 
 
-def _place_for(counts: np.ndarray, device: np.ndarray, ep_size: int) -> np.ndarray:
-    """Expert step: ``[L, N]`` placement maximising activations local to the units' devices."""
-    onehot = np.zeros((len(device), ep_size))
-    onehot[np.arange(len(device)), device] = 1.0
-    return np.stack([assign_experts(onehot.T @ counts[l]) for l in range(counts.shape[0])])
+def _place_for(counts: np.ndarray, device: np.ndarray, ep_size: int, load_slack: float = np.inf) -> np.ndarray:
+    """Expert step: ``[L, N]`` placement maximising activations local to the units' devices,
+    within the expert-load bound."""
+    L, N = counts.shape[0], counts.shape[2]
+    e2d = np.empty((L, N), np.int64)
+    for l in range(L):
+        gain = _gain(counts[l], device, ep_size)  # [E, N]: activations of expert n by units on device e
+        e2d[l] = assign_experts(gain)
+        if np.isfinite(load_slack):
+            load = counts[l].sum(axis=0).astype(np.float64)
+            e2d[l] = balance_swaps(gain, e2d[l], load, (1.0 + load_slack) * load.sum() / ep_size)
+    return e2d
+
+
+def replicas_for_schedule(profile: RoutingTrace, placement: Placement, redundant: int, mode: str) -> np.ndarray:
+    """``[L, E, R]`` replicas: for every device the ``R`` experts not at home there that the
+    online scheduler's units on it activate most, the scheduler simulated on the profile with
+    ``placement``'s tables (TP: 512-token batches; DP: the default balance rule).
+    """
+    from ..evaluate import EvalConfig, scheduled_devices  # evaluate imports the policies
+    from ..tables import build_tables
+
+    E, L, N = placement.ep_size, placement.num_layers, placement.num_experts
+    tables = build_tables(profile, placement, mode=mode)
+    device = scheduled_devices(profile, placement, tables, EvalConfig(mode=mode))  # [T, L]
+    use = np.zeros((L, E, N))
+    for l in range(L):
+        np.add.at(use[l], (np.repeat(device[:, l], profile.top_k), profile.experts[:, l].ravel().astype(np.int64)), 1)
+    use[np.arange(L)[:, None], placement.expert_device.astype(np.int64), np.arange(N)[None, :]] = -np.inf
+    return np.argsort(-use, axis=2, kind="stable")[:, :, :redundant]
+
+
+@numba.njit(cache=True)
+def balance_swaps(gain, device, load, cap):
+    """Bring every device's expert load within ``cap`` by swapping expert pairs between the
+    most loaded device and another, each time the swap that loses the least gain per unit of
+    load moved; stops when balanced or no swap lowers the maximum.
+
+    Args:
+        gain: ``[E, N]`` value of expert ``n`` on device ``e``; device: ``[N]`` placement;
+        load: ``[N]`` expert loads; cap: the most load a device should carry.
+    Returns:
+        ``[N]`` int64 new placement (still N/E per device).
+    """
+    E, N = gain.shape
+    device = device.copy()
+    dev_load = np.zeros(E)
+    for n in range(N):
+        dev_load[device[n]] += load[n]
+    for _ in range(4 * N):
+        h = np.argmax(dev_load)
+        if dev_load[h] <= cap:
+            break
+        best_a, best_b, best_cost = -1, -1, np.inf
+        for a in range(N):
+            if device[a] != h:
+                continue
+            for b in range(N):
+                d = device[b]
+                if d == h or load[b] >= load[a]:
+                    continue
+                moved = load[a] - load[b]
+                if dev_load[d] + moved >= dev_load[h]:
+                    continue  # would not lower the maximum
+                cost = (gain[h, a] + gain[d, b] - gain[h, b] - gain[d, a]) / min(moved, dev_load[h] - cap)
+                if cost < best_cost:
+                    best_a, best_b, best_cost = a, b, cost
+        if best_a < 0:
+            break
+        d = device[best_b]
+        moved = load[best_a] - load[best_b]
+        device[best_a], device[best_b] = d, h
+        dev_load[h] -= moved
+        dev_load[d] += moved
+    return device
 
 
 def request_expert_counts(trace: RoutingTrace) -> np.ndarray:
@@ -115,18 +225,23 @@ class SemMoEPolicy(PlacementPolicy):
 
     name = "semmoe"
 
-    def __init__(self, eps: float = 0.05, iters: int = 12, restarts: int = 3):
-        self.eps, self.iters, self.restarts = eps, iters, restarts
+    supports_redundant = True
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, progress: Progress = None):
+    def __init__(self, eps: float = 0.05, iters: int = 12, restarts: int = 3,
+                 load_slack: float = DEFAULT_LOAD_SLACK):
+        self.eps, self.iters, self.restarts, self.load_slack = eps, iters, restarts, load_slack
+
+    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
         if mode not in ("tp", "dp"):
             raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+        check_redundant(redundant, profile.num_experts, ep_size)
         rng = np.random.default_rng(seed)
         L = profile.num_layers
         if mode == "dp":
             counts = request_expert_counts(profile)
             e2d, _, _ = cocluster(counts, np.diff(profile.offsets), ep_size, eps=self.eps,
-                                  iters=self.iters, restarts=self.restarts, rng=rng)
+                                  iters=self.iters, restarts=self.restarts, rng=rng,
+                                  load_slack=self.load_slack)
             if progress:
                 progress(L, L, "semmoe co-clustering (requests)")
         else:
@@ -137,10 +252,15 @@ class SemMoEPolicy(PlacementPolicy):
             for l in range(L):
                 # warm start from the previous layer's token clusters: device labels then mean
                 # the same thing across layers, which makes the A (device-sequence) table sharp
-                placed, device, _ = cocluster(counts[l : l + 1], weight, ep_size, eps=self.eps,
-                                              iters=self.iters, restarts=self.restarts, rng=rng,
-                                              init_device=device)
+                placed, device, _ = cocluster(
+                    counts[l : l + 1], weight, ep_size, eps=self.eps, iters=self.iters,
+                    restarts=self.restarts, rng=rng, init_device=device, load_slack=self.load_slack)
                 e2d[l] = placed[0]
                 if progress:
                     progress(l + 1, L, "semmoe co-clustering (tokens, per layer)")
-        return Placement(e2d, ep_size, self.name)
+        placement = Placement(e2d, ep_size, self.name)
+        if redundant:
+            placement = Placement(e2d, ep_size, self.name, replicas_for_schedule(profile, placement, redundant, mode))
+            if progress:
+                progress(1, 1, f"semmoe replicas for locality (R = {redundant})")
+        return placement

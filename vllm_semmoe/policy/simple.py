@@ -6,7 +6,7 @@ import numpy as np
 
 from ..placement import Placement
 from ..trace import RoutingTrace
-from .base import PlacementPolicy, Progress
+from .base import PlacementPolicy, Progress, check_redundant
 
 
 def contiguous_placement(num_layers: int, num_experts: int, ep_size: int) -> np.ndarray:
@@ -58,7 +58,8 @@ class VanillaPolicy(PlacementPolicy):
 
     name = "vanilla"
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+        check_redundant(redundant, profile.num_experts, ep_size, self.name)
         e2d = contiguous_placement(profile.num_layers, profile.num_experts, ep_size)
         return Placement(e2d, ep_size, self.name)
 
@@ -68,7 +69,8 @@ class RoundRobinPolicy(PlacementPolicy):
 
     name = "round_robin"
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+        check_redundant(redundant, profile.num_experts, ep_size, self.name)
         e2d = round_robin_placement(profile.num_layers, profile.num_experts, ep_size)
         return Placement(e2d, ep_size, self.name)
 
@@ -78,6 +80,7 @@ class EplbPolicy(PlacementPolicy):
 
     name = "eplb"
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+        check_redundant(redundant, profile.num_experts, ep_size, self.name)
         e2d = balanced_packing(expert_loads(profile).astype(float), ep_size)
         return Placement(e2d, ep_size, self.name)
