@@ -45,7 +45,7 @@ PROMPTS = [
     "The history of the city",
     "<|im_start|>user\nWhat is Python?<|im_end|>\n<|im_start|>assistant\n",
     "The game was released on",
-    "The first season of the show",
+    "Her first novel was",  # "The first season of the show" came within 0.031 of a tie at step 3
 ]
 MAX_TOKENS = 16
 #: Smallest accepted gap between the top-2 logprobs along the reference path: one bf16 ulp of
