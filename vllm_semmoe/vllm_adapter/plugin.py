@@ -154,7 +154,7 @@ def _patch_model_loader() -> None:
         config = _semmoe_config(vllm_config)
         if config is not None and config.tables is not None:
             from .config import expert_parallel_size
-            from .replacement import install_placement, moe_runners
+            from .replacement import install_placement, install_self_check, moe_runners
 
             runners = moe_runners(model)
             tables = config.load_tables(
@@ -162,7 +162,8 @@ def _patch_model_loader() -> None:
                 num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
                 ep_size=expert_parallel_size(vllm_config.parallel_config),
             )
-            install_placement(runners, tables.placement)
+            installed = install_placement(model, runners, tables.placement)
+            install_self_check(model, runners, installed)
             model._semmoe_tables = tables
             parallel = vllm_config.parallel_config
             if config.mode == "tp" and parallel.tensor_parallel_size > 1 and parallel.enable_expert_parallel:

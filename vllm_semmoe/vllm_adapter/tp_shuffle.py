@@ -53,6 +53,7 @@ class TpShuffleLayer:
         self.tables = tables
         self.shuffle = tables.placement.method == "semmoe"
         self.t2d = tables.t2d_score[layer].astype(np.float32)
+        self.p2l = tables.placement.physical_to_logical()[layer]
 
     def schedule(self, step: StepContext, num_tokens: int, ep_size: int):
         """``(slot_token, token_slot, capacity)``, identical on every rank."""
@@ -181,8 +182,8 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     counters["layers_run"] += 1
     majority = np.stack([(full_ids.numpy() // n_local == d).sum(axis=1) for d in range(world)], axis=1)
     step.major[layer.layer] = np.argmax(majority, axis=1)
-    if step.recorder is not None:
-        step.recorder.on_layer(layer.layer, full_ids)
+    if step.recorder is not None:  # the recorder takes logical ids
+        step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids.numpy()]))
     return out_my
 
 
