@@ -82,6 +82,8 @@ class LayerPlacement:
         l2p: ``[N]`` int64 tensor on the model's device: physical slot of each logical expert.
         p2l: ``[N]`` int64 array: logical expert in each physical slot.
         params: names of the routed-experts parameters whose loads are re-placed.
+        loaded: per such parameter, the physical slots the checkpoint loaded into (on every
+            rank; the self-check compares them with this rank's slots).
     """
 
     index: int
@@ -89,6 +91,7 @@ class LayerPlacement:
     l2p: torch.Tensor
     p2l: np.ndarray
     params: list[str] = field(default_factory=list)
+    loaded: dict[str, set[int]] = field(default_factory=dict)
 
 
 class PhysicalIds:
@@ -137,21 +140,23 @@ def unsupported_reason(model: torch.nn.Module, runner) -> str | None:
         return "it has redundant expert slots"
     if experts.quant_config is not None and experts.quant_config.get_name() == "gpt_oss_mxfp4":
         return "its quantization (gpt_oss_mxfp4) loads all experts as one tensor"
-    unreachable = [name for name, _ in expert_indexed_tensors(experts) if name not in reachable_params(experts)]
+    unreachable = [name for name, _ in expert_indexed_tensors(experts, router) if name not in reachable_params(experts)]
     if unreachable:
         return f"expert-indexed tensor(s) {', '.join(unreachable)} are not loaded per expert"
     return None
 
 
-def expert_indexed_tensors(experts: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def expert_indexed_tensors(experts: torch.nn.Module, router) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers of the routed experts with one row per (local or global) expert.
 
-    The expert-map buffers vLLM registers itself (``_expert_map``, ``expert_mask``, the routing
-    tables) describe the physical layout, not expert data, and are excluded by identity.
+    Excluded by identity: the expert-map buffers vLLM registers itself (``_expert_map``,
+    ``expert_mask``, the routing tables), which describe the physical layout, not expert data;
+    and tensors the router also holds (e.g. DeepSeek-V3's ``e_score_correction_bias``), which
+    routing reads in logical order and so must stay logical.
     """
     sizes = {int(experts.local_num_experts), int(experts.global_num_experts)}
     layout = {id(t) for t in (getattr(experts, "_expert_map", None), getattr(experts, "expert_mask", None),
-                              *(experts._expert_routing_tables() or ())) if t is not None}
+                              *(experts._expert_routing_tables() or ())) if t is not None} | routing_tensor_ids(router)
     found = []
     for name, tensor in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
         if id(tensor) in layout or tensor.dim() == 0 or int(tensor.shape[0]) not in sizes:
@@ -164,6 +169,11 @@ def reachable_params(experts: torch.nn.Module) -> set[str]:
     """Names of the routed experts' parameters whose weight loader takes an ``expert_id``."""
     return {name for name, param in experts.named_parameters(recurse=False)
             if "expert_id" in _loader_parameters(getattr(param, "weight_loader", None))}
+
+
+def routing_tensor_ids(router) -> set[int]:
+    """Identities of the tensors a router holds (read in logical expert order)."""
+    return {id(t) for t in vars(router).values() if isinstance(t, torch.Tensor)}
 
 
 def _loader_parameters(loader) -> tuple[str, ...]:
@@ -207,15 +217,18 @@ def install_placement(model: torch.nn.Module, runners: list, placement: Placemen
             raise RuntimeError("semmoe: placement installed twice on the same layer")
         router._apply_eplb_mapping = PhysicalIds(router._apply_eplb_mapping, state.l2p)
         mapping = l2p[index].tolist()
-        for name in sorted(reachable_params(experts)):
-            _wrap_loader(getattr(experts, name), mapping)
+        logical = routing_tensor_ids(router)
+        for name in sorted(n for n in reachable_params(experts) if id(getattr(experts, n)) not in logical):
+            state.loaded[name] = set()
+            _wrap_loader(getattr(experts, name), mapping, state.loaded[name], f"{runner.layer_name}.{name}")
             state.params.append(name)
         installed.append(state)
     return installed
 
 
-def _wrap_loader(param, mapping: list[int]) -> None:
-    """Make ``param``'s loader put logical expert ``e`` into physical slot ``mapping[e]``."""
+def _wrap_loader(param, mapping: list[int], loaded: set[int], name: str) -> None:
+    """Make ``param``'s loader put logical expert ``e`` into physical slot ``mapping[e]``
+    (recording the slot in ``loaded``)."""
     loader = param.weight_loader
     if getattr(loader, "_semmoe_wrapped", False):
         raise RuntimeError("semmoe: placement installed twice on the same layer")
@@ -223,9 +236,13 @@ def _wrap_loader(param, mapping: list[int]) -> None:
 
     def wrapped(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        expert = int(bound.arguments["expert_id"])
-        if 0 <= expert < len(mapping):
-            bound.arguments["expert_id"] = mapping[expert]
+        expert = bound.arguments.get("expert_id")
+        if not isinstance(expert, (int, np.integer)):
+            raise SemMoEConfigError(f"semmoe: {name} is loaded for all experts at once (expert_id={expert!r}); "
+                                    "its experts cannot be re-placed")
+        if 0 <= int(expert) < len(mapping):
+            bound.arguments["expert_id"] = mapping[int(expert)]
+            loaded.add(mapping[int(expert)])
         return loader(*bound.args, **bound.kwargs)
 
     wrapped._semmoe_wrapped = True
@@ -280,6 +297,12 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
                     mapper.enabled = True
             finally:
                 router.capture_fn = capture
+        local = {slot for slot in range(num_experts) if experts._map_global_expert_id_to_local_expert_id(slot) != -1}
+        for name, slots in state.loaded.items():
+            if slots and not local <= slots:
+                raise SemMoEConfigError(
+                    f"semmoe self-check: MoE layer {state.name}: {name} was not loaded into physical "
+                    f"slot(s) {sorted(local - slots)[:8]} through its per-expert loader")
         physical = physical.long().cpu().numpy()
         logical = logical.long().cpu().numpy()
         if physical.min() < 0 or physical.max() >= num_experts:
