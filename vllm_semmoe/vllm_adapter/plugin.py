@@ -237,7 +237,8 @@ def _patch_model_runner() -> None:
         if layer is None or step is None or hidden_states.shape[0] != len(step.rows):
             # not configured, a warm-up run, or a padded batch: vLLM's own path on every rank
             return moe_forward(self, hidden_states, router_logits, *args, **kwargs)
-        return tp_shuffle.shuffled_moe_forward(self, layer, hidden_states, tp_shuffle.STEP)
+        return tp_shuffle.shuffled_moe_forward(self, layer, moe_forward, step, hidden_states, router_logits,
+                                               *args, **kwargs)
 
     MoERunner.forward = patched_moe_forward
 
@@ -246,18 +247,17 @@ _UNSET = object()
 
 
 def fuse_decoder_layers(model) -> int:
-    """Give Qwen3-MoE-style decoder layers (input/post-attention norms, row-parallel ``o_proj``,
-    ``mlp.experts`` = a shuffled MoE layer) the fused SRS/SAG forward; returns how many.
-    Other layers keep the MoE-boundary shuffle."""
+    """Give decoder layers whose structure :func:`tp_shuffle.fusable_runner` recognises (e.g.
+    Qwen3-MoE's) the fused SRS/SAG forward; returns how many. Other MoE layers keep the
+    MoE-boundary shuffle, which runs vLLM's whole MoE layer."""
     from . import tp_shuffle
 
     fused = 0
     for module in model.modules():
-        mlp, attn = getattr(module, "mlp", None), getattr(module, "self_attn", None)
-        layer = getattr(getattr(mlp, "experts", None), "_semmoe_tp", None)
-        if layer is None or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "is_sequence_parallel", False) \
-                or not hasattr(attn, "o_proj") or not hasattr(module, "post_attention_layernorm"):
+        runner = tp_shuffle.fusable_runner(module)
+        if runner is None:
             continue
+        layer = runner._semmoe_tp
         original = module.forward
 
         def forward(positions, hidden_states, residual, *, _module=module, _layer=layer, _original=original):

@@ -256,15 +256,18 @@ def install_self_check(model: torch.nn.Module, runners: list, installed: list[La
 
     def hook(module, args):
         handle.remove()
-        self_check(runners, installed)
+        self_check(runners, installed, model_class=type(module).__name__)
 
     handle = model.register_forward_pre_hook(hook)
 
 
 def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int = SELF_CHECK_TOKENS,
-               seed: int = 0) -> None:
+               seed: int = 0, model_class: str = "the model") -> None:
     """Route fixed random hidden vectors through every MoE layer's router with and without the
     placement; raise :class:`SemMoEConfigError` naming the first layer whose logical experts differ.
+    Also require that every re-placed parameter was loaded, into every physical slot of this
+    rank, through its (wrapped) per-expert loader: a model whose ``load_weights`` copies expert
+    tensors whole would otherwise keep them in logical order, silently.
 
     Router logits come from the layer's gate when it holds one, else from fixed random logits
     (the gate is then in the model's own block and untouched by the placement).
@@ -299,10 +302,12 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
                 router.capture_fn = capture
         local = {slot for slot in range(num_experts) if experts._map_global_expert_id_to_local_expert_id(slot) != -1}
         for name, slots in state.loaded.items():
-            if slots and not local <= slots:
+            if not local <= slots:
                 raise SemMoEConfigError(
-                    f"semmoe self-check: MoE layer {state.name}: {name} was not loaded into physical "
-                    f"slot(s) {sorted(local - slots)[:8]} through its per-expert loader")
+                    f"semmoe: cannot re-place experts of {model_class} exactly: MoE layer {state.name}: "
+                    f"{name} was not loaded into physical slot(s) {sorted(local - slots)[:8]} through its "
+                    "per-expert weight loader (the model's load_weights copies expert tensors whole, "
+                    "in logical order)")
         physical = physical.long().cpu().numpy()
         logical = logical.long().cpu().numpy()
         if physical.min() < 0 or physical.max() >= num_experts:

@@ -5,16 +5,25 @@ the partial outputs are all-reduced. Here instead, per MoE layer and forward ste
 
 1. all ranks compute the same schedule (:func:`vllm_semmoe.scheduling.tp_schedule` with the
    Sem-MoE tables, or contiguous equal slices for other tables), i.e. the SRS permutation;
-2. rank ``r`` gets the reduced rows of its ``ceil(B/E)`` tokens: in Qwen3-MoE-style decoder
-   layers by a shuffled reduce-scatter of the attention's unreduced output
-   (:func:`fused_decoder_forward`, residual add and norm then run on the slice), elsewhere by
-   taking its rows of vLLM's all-reduced input (:func:`shuffled_moe_forward`); it runs the
-   real gate on them;
+2. rank ``r`` owns its ``ceil(B/E)`` scheduled tokens;
 3. activations whose expert is on this rank are computed here; every token is sent once to
    each other rank that holds one of its experts (uneven ``all_to_all_single``), computed
-   there, and the partial sums come back (reverse all-to-all);
-4. the shuffled all-gather collects all slices (and, when fused, the residual) and applies the
-   inverse permutation, so every rank again holds ``[B, H]`` in token order.
+   there, and the partial sums come back (reverse all-to-all).
+
+Two ways to run it, both exactly vLLM's MoE layer:
+
+- **MoE boundary** (any model on vLLM's fused MoE layer, :func:`shuffled_moe_forward`): vLLM's
+  own ``MoERunner.forward`` runs on the replicated input, so the gate (in the runner or the
+  model's block), routing and its capture, shared experts and their gate, the routed scaling
+  factor, routed input/output transforms and zero experts are vLLM's code; only the routed
+  experts stage is replaced (steps 2-3), returning this rank's rows, and vLLM's final
+  all-reduce assembles them. Dense layers (before ``first_k_dense_replace``) are not touched.
+- **Fused into the collectives** (:func:`fused_decoder_forward`, only where
+  :func:`fusable_runner` recognises the decoder layer, e.g. Qwen3-MoE): the attention's
+  unreduced output goes through a shuffled reduce-scatter so rank ``r`` gets the reduced
+  rows of its tokens, residual add, norm, gate and routing run on the slice, and the shuffled
+  all-gather returns output and residual to every rank in token order (replacing vLLM's two
+  all-reduces).
 
 Bytes sent in dispatch and combine and local/remote activations are counted per layer.
 """
@@ -71,20 +80,57 @@ class TpShuffleLayer:
         return slot_token, token_slot, cap
 
 
-def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Tensor, step: StepContext):
-    """MoE-boundary variant (any model): take this rank's slice of the replicated input, run
-    :func:`moe_on_slice`, and restore ``[B, H]`` with the shuffled all-gather."""
+def shuffled_moe_forward(runner, layer: TpShuffleLayer, moe_forward, step: StepContext, hidden_states,
+                         router_logits, *args, **kwargs):
+    """MoE-boundary variant (any model built on vLLM's fused MoE layer): vLLM's own
+    ``MoERunner.forward`` runs unchanged on the replicated ``[B, H]`` input (gate or the model's
+    router logits, routing with its capture hook, shared experts and their gate, the routed
+    scaling factor, input/output transforms, zero experts, the final TP all-reduce); only its
+    routed-experts stage is replaced by :func:`shuffled_routed_experts`: this rank computes the
+    complete routed output of *its* scheduled tokens (remote activations through the
+    all-to-all) and leaves the other rows zero, so vLLM's final all-reduce, which also sums the
+    TP-partial shared-expert output, yields every token's full output on every rank.
+    """
+    experts = runner.routed_experts
+    original = experts.forward_modular
+
+    def routed(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        return shuffled_routed_experts(original, layer, step, x, topk_weights, topk_ids,
+                                       shared_experts, shared_experts_input)
+
+    experts.forward_modular = routed
+    try:
+        return moe_forward(runner, hidden_states, router_logits, *args, **kwargs)
+    finally:
+        del experts.forward_modular
+
+
+def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepContext, x: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_experts=None,
+                            shared_experts_input=None) -> torch.Tensor:
+    """The routed-experts stage of the MoE-boundary path: ``[B, H]`` holding the complete routed
+    output of this rank's scheduled tokens, zero elsewhere. ``topk_ids`` are physical ids of
+    all ``B`` tokens (vLLM routes every token on every rank)."""
     from vllm.distributed.parallel_state import get_ep_group
 
     group = get_ep_group()
-    B = hidden_states.shape[0]
-    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size)
-    mine_slots = slot_token[group.rank_in_group * cap : (group.rank_in_group + 1) * cap]
-    count = int((mine_slots >= 0).sum())
-    device = hidden_states.device
-    x_my = srs_pack(hidden_states, torch.from_numpy(mine_slots.copy()).to(device))[:count]
-    out_my = moe_on_slice(runner, layer, x_my, step, cap, token_slot, group)
-    return sag_unpack(_all_gather_slices(out_my, cap, group), torch.from_numpy(token_slot).to(device))
+    rank, world = group.rank_in_group, group.world_size
+    B = x.shape[0]
+    slot_token, _, cap = layer.schedule(step, B, world)
+    mine = slot_token[rank * cap : (rank + 1) * cap]
+    mine = torch.from_numpy(mine[mine >= 0].astype(np.int64)).to(x.device)
+    out_my = routed_on_slice(forward_modular, layer, x.index_select(0, mine), topk_weights.index_select(0, mine),
+                             topk_ids.index_select(0, mine), group, shared_experts, shared_experts_input)
+    out = torch.zeros((B, *out_my.shape[1:]), dtype=out_my.dtype, device=out_my.device)
+    out.index_copy_(0, mine, out_my)
+    n_local = int(forward_modular.__self__.global_num_experts) // world
+    step.major[layer.layer] = _majority(topk_ids.long().cpu().numpy(), n_local, world)
+    return out
+
+
+def _majority(ids: np.ndarray, n_local: int, world: int) -> np.ndarray:
+    """``[B]``: the EP rank holding most of each token's chosen (physical) experts."""
+    return np.argmax(np.stack([(ids // n_local == d).sum(axis=1) for d in range(world)], axis=1), axis=1)
 
 
 def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_states, residual, step: StepContext):
@@ -130,14 +176,8 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
 
 def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepContext, cap: int,
                  token_slot: np.ndarray, group) -> torch.Tensor:
-    """Gate this rank's tokens, move only remotely-routed ones, return their MoE output rows."""
-    import torch.distributed as dist
-
-    rank, world = group.rank_in_group, group.world_size
-    experts = runner.routed_experts
-    n_local = int(experts.global_num_experts) // world
-    H = x_my.shape[1]
-
+    """Fused-decoder path: gate and route this rank's tokens (the runner holds its gate, has no
+    shared experts, transforms or scaling: see :func:`fusable_runner`), then the routed stage."""
     # the real gate on this rank's slice (capture is fed below, for all tokens, in token order)
     capture, runner.router.capture_fn = runner.router.capture_fn, None
     try:
@@ -147,6 +187,28 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
             topk_indices_dtype=runner._quant_method.topk_indices_dtype)
     finally:
         runner.router.capture_fn = capture
+    out_my = routed_on_slice(runner.routed_experts.forward_modular, layer, x_my, weights, ids, group)
+    device = x_my.device
+    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(
+        0, torch.from_numpy(token_slot).to(device)).cpu()
+    n_local = int(runner.routed_experts.global_num_experts) // group.world_size
+    step.major[layer.layer] = _majority(full_ids.numpy(), n_local, group.world_size)
+    if step.recorder is not None:  # the recorder takes logical ids
+        step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids.numpy()]))
+    return out_my
+
+
+def routed_on_slice(forward_modular, layer: TpShuffleLayer, x_my: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, group, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+    """Routed-expert output rows of this rank's tokens ``x_my`` (physical ``ids``): local
+    activations computed here; each token sent once to every other rank holding one of its
+    experts (uneven all-to-all), computed there, partial sums sent back."""
+    import torch.distributed as dist
+
+    rank, world = group.rank_in_group, group.world_size
+    experts = forward_modular.__self__
+    n_local = int(experts.global_num_experts) // world
+    H = x_my.shape[1]
     dest = (ids.long() // n_local).cpu().numpy()  # [m, K] rank holding each chosen expert
     device = x_my.device
 
@@ -163,14 +225,12 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     recv_w = _exchange(weights.index_select(0, order).float(), recvs, sends, group)
 
     # experts: this rank's experts for its own tokens and for the rows it received
-    local_out = experts.forward_modular(x_my, weights, ids)
-    remote_out = experts.forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
+    local_out = forward_modular(x_my, weights, ids, shared_experts, shared_experts_input)
+    remote_out = forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
         if recv_x.shape[0] else recv_x
     back = _exchange(remote_out, sends, recvs, group)  # combine: partial sums home
     out_my = local_out.index_add(0, order, back) if order.numel() else local_out
 
-    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(
-        0, torch.from_numpy(token_slot).to(device)).cpu()
     local = int((dest == rank).sum())
     row_bytes = H * x_my.element_size()
     counters = TpShuffleLayer.counters
@@ -180,11 +240,36 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     counters["remote_activations"] += dest.size - local
     counters["tokens"] += x_my.shape[0]
     counters["layers_run"] += 1
-    majority = np.stack([(full_ids.numpy() // n_local == d).sum(axis=1) for d in range(world)], axis=1)
-    step.major[layer.layer] = np.argmax(majority, axis=1)
-    if step.recorder is not None:  # the recorder takes logical ids
-        step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids.numpy()]))
     return out_my
+
+
+def fusable_runner(decoder):
+    """The MoE runner of ``decoder`` when the fused SRS/SAG forward computes exactly what vLLM
+    does there, else ``None``. Recognised structure: a decoder layer made only of
+    ``input_layernorm``, ``self_attn`` (with a row-parallel ``o_proj``), ``post_attention_layernorm``
+    and ``mlp``, whose only parameters are those of ``mlp.experts``, a shuffled MoE runner that
+    holds its gate and has no shared experts, routed transforms, scaling factor or zero experts,
+    without sequence parallelism. (Qwen3-MoE's decoder layer is one; DeepSeek's, with shared
+    experts, and Mixtral's, whose router is outside the runner, are not and keep the
+    MoE-boundary path, which runs vLLM's whole MoE layer.)"""
+    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+
+    mlp, attn = getattr(decoder, "mlp", None), getattr(decoder, "self_attn", None)
+    runner = getattr(mlp, "experts", None)
+    if getattr(runner, "_semmoe_tp", None) is None or not hasattr(getattr(attn, "o_proj", None), "reduce_results"):
+        return None
+    if {name for name, child in decoder.named_children() if any(True for _ in child.parameters())} \
+            - {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}:
+        return None
+    experts_params = {id(p) for p in runner.parameters()}
+    if any(id(p) not in experts_params for p in mlp.parameters()):
+        return None
+    if (runner.gate is None or runner.shared_experts is not None or runner.routed_input_transform is not None
+            or runner.routed_output_transform is not None or runner.routed_scaling_factor != 1.0
+            or isinstance(runner.router, ZeroExpertRouter) or runner.moe_config.is_sequence_parallel
+            or getattr(mlp, "is_sequence_parallel", False)):
+        return None
+    return runner
 
 
 def _exchange(tensor: torch.Tensor, recv_counts: list[int], send_counts: list[int], group) -> torch.Tensor:
