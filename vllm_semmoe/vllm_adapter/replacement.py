@@ -130,9 +130,8 @@ def unsupported_reason(model: torch.nn.Module, runner) -> str | None:
         return f"its router {type(router).__name__} does not select experts through vLLM's BaseRouter"
     if router.eplb_state is not None or experts.moe_config.moe_parallel_config.enable_eplb:
         return "EPLB is enabled; it keeps its own logical-to-physical map (disable --enable-eplb)"
-    if quant.is_monolithic:
-        return (f"its MoE kernel ({quant.method_name}) routes internally from the router logits, "
-                "so expert ids cannot be mapped after top-k")
+    if _is_monolithic(quant):
+        return _MONOLITHIC.format(quant.method_name)
     manager = experts.expert_map_manager
     if getattr(manager, "num_fused_shared_experts", 0):
         return "shared experts are fused into the routed experts' slots"
@@ -144,6 +143,18 @@ def unsupported_reason(model: torch.nn.Module, runner) -> str | None:
     if unreachable:
         return f"expert-indexed tensor(s) {', '.join(unreachable)} are not loaded per expert"
     return None
+
+
+_MONOLITHIC = "its MoE kernel ({}) routes internally from the router logits, so expert ids cannot be mapped after top-k"
+
+
+def _is_monolithic(quant) -> bool:
+    """Whether the layer's kernel routes by itself; ``False`` while the kernel is not chosen yet
+    (the self-check asks again after loading)."""
+    try:
+        return bool(quant.is_monolithic)
+    except AttributeError:  # no experts class selected before process_weights_after_loading
+        return False
 
 
 def expert_indexed_tensors(experts: torch.nn.Module, router) -> list[tuple[str, torch.Tensor]]:
@@ -279,6 +290,9 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
         if not isinstance(mapper, PhysicalIds):
             raise SemMoEConfigError(f"semmoe self-check: MoE layer {state.name}: the placement's id map is not installed")
         experts = runner.routed_experts
+        if _is_monolithic(experts.quant_method):
+            raise SemMoEConfigError(f"semmoe: cannot re-place experts of {model_class} exactly: MoE layer "
+                                    f"{state.name}: " + _MONOLITHIC.format(experts.quant_method.method_name))
         device = state.l2p.device
         num_experts = int(experts.global_num_experts)
         gate = getattr(runner, "gate", None)
