@@ -282,3 +282,57 @@ def test_fp8_block_moe_parameters_move_with_their_expert(tmp_path):
     assert set(report["params"]) >= {"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"}, report
     assert report["params"]["w13_weight"][0] == "torch.float8_e4m3fn"
     assert not report["mismatches"], report["mismatches"][:10]
+
+
+# ---------------------------------------------------------------------------------------------
+# The DeepSeek-V2-Lite MoE shape end to end, with tables solved from its real routing trace
+# ---------------------------------------------------------------------------------------------
+
+def _run_with_fingerprints(model, tmp, name, semmoe):
+    import gc
+
+    from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
+
+    capture = tmp / f"{name}.npz"
+    llm = make_llm(str(model), {**semmoe, "capture": str(capture)}, max_model_len=256, dtype="bfloat16")
+    try:
+        outs = generate(llm, fit_prompts(llm, PROMPTS, 256, MAX_TOKENS), MAX_TOKENS)
+        fingerprints = llm.collective_rpc(local_expert_fingerprints)[0]
+        flush(llm)
+        return [list(o.outputs[0].token_ids) for o in outs], load_trace(capture), fingerprints
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_deepseek_v2_lite_shape_with_real_tables(dev_trace, tmp_path):
+    """A tiny random DeepSeek-V2 with DeepSeek-V2-Lite's MoE shape (27 layers, the first dense
+    (``first_k_dense_replace`` 1), 64 routed experts, top-6, 2 shared experts, MLA) serves
+    exactly with Sem-MoE tables solved from the real DeepSeek-V2-Lite routing trace (26 MoE
+    layers): captured logical routing and greedy tokens equal the plugin-off run's, and MoE
+    layer ``i`` of the trace/tables is model layer ``i + 1``: every physical slot of model
+    layer ``i + 1`` holds the checkpoint expert the tables' layer ``i`` puts there."""
+    from safetensors.torch import load_file
+
+    from vllm_semmoe.policy import get_policy
+
+    model = tiny_checkpoint("deepseek_v2", num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
+                            num_experts_per_tok=6, n_shared_experts=2, topk_method="greedy", n_group=1,
+                            topk_group=1, moe_intermediate_size=32)
+    profile = dev_trace.select_requests(np.arange(100))
+    assert (profile.num_layers, profile.num_experts, profile.top_k) == (26, 64, 6)
+    placement = get_policy("semmoe").solve(profile, 4)
+    build_tables(profile, placement).save(tmp_path / "tables")
+    ref_tokens, ref_trace, _ = _run_with_fingerprints(model, tmp_path, "reference", {})
+    tokens, trace, fingerprints = _run_with_fingerprints(model, tmp_path, "placed", {"tables": str(tmp_path / "tables")})
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == (26, 64, 6)
+    assert_same_routing(trace, ref_trace, "DeepSeek-V2-Lite shape, placement-only TP1")
+    assert tokens == ref_tokens
+    weights = load_file(str(model / "model.safetensors"))
+    p2l = placement.physical_to_logical()
+    assert len(fingerprints) == 26
+    for layer, sums in enumerate(fingerprints):
+        want = [float(weights[f"model.layers.{layer + 1}.mlp.experts.{e}.down_proj.weight"].float().sum())
+                for e in p2l[layer]]
+        assert np.allclose(sums, want, rtol=1e-3, atol=1e-3), f"MoE layer {layer} (model layer {layer + 1})"
