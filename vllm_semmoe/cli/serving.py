@@ -22,14 +22,64 @@ def _default_model() -> str:
     return tiny_moe_path()
 
 
-def cmd_profile(args) -> int:
+def cmd_profile(args, engine_args: dict | None = None) -> int:
     from ..vllm_adapter.workflows import profile
 
     summary = profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
-                      max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables)
+                      max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables,
+                      **(engine_args or {}))
     if args.json:
         write_json(args.json, dict(summary or {}, out=args.out))
     return 0
+
+
+def _add_profile_options(p) -> None:
+    p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
+    p.add_argument("--dataset", required=True, help="ShareGPT or MMLU .jsonl(.gz), or plain text (.gz)")
+    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--skip", type=int, default=0, help="skip this many prompts of the dataset first")
+    p.add_argument("--out", required=True, help="routing trace .npz to write")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--tables", help="also apply this placement while profiling")
+    add_json_argument(p, "the run summary")
+
+
+def profile_engine_args(argv: list[str]) -> dict:
+    """vLLM engine arguments (``vllm serve`` spelling: ``--dtype``, ``-tp``/``--tensor-parallel-size``,
+    ``--data-parallel-size``, ``--enable-expert-parallel``, ``--trust-remote-code``, ...) parsed by
+    vLLM's own ``EngineArgs`` parser; returns the ones that differ from vLLM's defaults as
+    ``LLM(...)`` keyword arguments. Unknown options are an error, as in ``vllm serve``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="semmoe profile (vLLM engine arguments)"))
+    given, defaults = parser.parse_args(argv), parser.parse_args([])
+    return {key: value for key, value in vars(given).items() if value != getattr(defaults, key, None)}
+
+
+def cmd_profile_argv(argv: list[str]) -> int:
+    """``semmoe profile --dataset D --num-prompts N --out T [--model M] [vLLM engine args]``: the
+    profile options are semmoe's, every other option goes to vLLM's engine (like ``semmoe serve``)."""
+    import argparse
+
+    from ..tables import TablesError
+    from ..trace import TraceError
+    from ..vllm_adapter.config import SemMoEConfigError
+
+    parser = argparse.ArgumentParser(prog="semmoe profile", description=PROFILE_HELP)
+    _add_profile_options(parser)
+    args, rest = parser.parse_known_args(argv)
+    engine_args = profile_engine_args(rest)
+    try:
+        return cmd_profile(args, engine_args)
+    except (TraceError, TablesError, SemMoEConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"semmoe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+PROFILE_HELP = ("capture live routing of prompts through vLLM into a trace; options not listed here are "
+                "vLLM engine arguments (e.g. --dtype, -tp, --enable-expert-parallel, --trust-remote-code)")
 
 
 def cmd_demo(args) -> int:
@@ -112,21 +162,14 @@ def cmd_serve(argv: list[str]) -> int:
 
 
 #: Sub-commands whose raw argument list is handed over unparsed: ``name -> func(argv) -> int``.
-PASSTHROUGH = {"serve": cmd_serve}
+PASSTHROUGH = {"serve": cmd_serve, "profile": cmd_profile_argv}
 
 
 def add_parsers(sub) -> None:
     """Register ``profile``, ``serve``, ``bench-serve``, ``bench-ep`` and ``demo``."""
-    p = sub.add_parser("profile", help="capture live routing of prompts through vLLM into a trace")
-    p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
-    p.add_argument("--dataset", required=True, help="ShareGPT or MMLU .jsonl(.gz), or plain text (.gz)")
-    p.add_argument("--num-prompts", type=int, required=True)
-    p.add_argument("--skip", type=int, default=0, help="skip this many prompts of the dataset first")
-    p.add_argument("--out", required=True, help="routing trace .npz to write")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--tables", help="also apply this placement while profiling")
-    add_json_argument(p, "the run summary")
+    # parsed by cmd_profile_argv (PASSTHROUGH), which hands unlisted options to vLLM's engine
+    p = sub.add_parser("profile", help=PROFILE_HELP)
+    _add_profile_options(p)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("serve", help="vLLM's OpenAI server with the plugin: semmoe serve MODEL [vllm args] --tables DIR",

@@ -2,9 +2,10 @@
 
 A :class:`RoutingRecorder` sees every real forward step (not vLLM's warm-up or profiling runs,
 which bypass ``_model_forward``): which request each token belongs to, its position and id,
-and the top-k expert ids every MoE layer chose for it. It turns that into a
-:class:`~vllm_semmoe.trace.RoutingTrace` with logical expert ids (physical ids mapped back
-through the placement), prefill and decode tokens marked.
+and the top-k expert ids every MoE layer chose for it. Routers report *logical* expert ids
+(vLLM's capture hook runs before the logical → physical map, and the placement is applied
+after it; see :mod:`.replacement`), so the :class:`~vllm_semmoe.trace.RoutingTrace` it builds
+has logical ids with or without a placement; prefill and decode tokens are marked.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ class RoutingRecorder:
 
     Args:
         num_layers: MoE layers in the model; top_k: experts per token.
-        placement: the placement applied at load time (``None``: physical = logical ids).
+        placement: the placement applied at load time (``None``: physical = logical ids); only
+            the live DP counters use it (to tell which rank's slots an activation hit).
         vocab: token strings (index = token id) and ``vocab_size``.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
                  vocab: list[str], vocab_size: int):
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        self.p2l = placement.physical_to_logical() if placement is not None else None
+        self.l2p = placement.logical_to_physical() if placement is not None else None
         self.vocab, self.vocab_size = vocab, vocab_size
         self._request_index: dict[str, int] = {}
         self._request_names: list[str] = []
@@ -74,7 +76,7 @@ class RoutingRecorder:
         self._current = None
 
     def on_layer(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Capture hook of MoE layer ``layer`` (physical expert ids ``[tokens, K]``)."""
+        """Capture hook of MoE layer ``layer`` (logical expert ids ``[tokens, K]``)."""
         if self._current is None:
             return
         n = len(self._current["token"])
@@ -91,7 +93,10 @@ class RoutingRecorder:
         self._steps.append(step)
         if self.dp_counters is not None:
             prompt = step["position"] < np.asarray(self._prompt_len)[step["request"]]
-            self.dp_counters.update(step["experts"], int(prompt.sum()), len(self._steps))
+            physical = step["experts"]
+            if self.l2p is not None:
+                physical = self.l2p[np.arange(self.num_layers)[None, :, None], physical]
+            self.dp_counters.update(physical, int(prompt.sum()), len(self._steps))
 
     # ---- results ---------------------------------------------------------------------------
     @property
@@ -103,10 +108,10 @@ class RoutingRecorder:
         steps = self._steps
         if not steps:
             raise RuntimeError("semmoe capture: no forward steps were recorded")
-        physical = np.concatenate([s["experts"] for s in steps])
+        logical = np.concatenate([s["experts"] for s in steps])
         lengths = [len(s["token"]) for s in steps]
         return RoutingTrace.from_arrays(
-            np.concatenate([s["token"] for s in steps]).astype(np.int32), physical.astype(np.int16),
+            np.concatenate([s["token"] for s in steps]).astype(np.int32), logical.astype(np.int16),
             np.concatenate([[0], np.cumsum(lengths)]), vocab_size=self.vocab_size,
             num_experts=self.num_experts,
         )
@@ -119,9 +124,6 @@ class RoutingRecorder:
         pos = np.concatenate([s["position"] for s in self._steps])
         tok = np.concatenate([s["token"] for s in self._steps])
         experts = np.concatenate([s["experts"] for s in self._steps])
-        if self.p2l is not None:
-            layers = np.arange(self.num_layers)[None, :, None]
-            experts = self.p2l[layers, experts]
         # order by (request, position); a recomputed position (preemption) keeps its last capture
         order = np.lexsort((np.arange(len(req)), pos, req))
         req, pos, tok, experts = req[order], pos[order], tok[order], experts[order]
@@ -196,10 +198,6 @@ def live_lar(recorder: RoutingRecorder, tables, *, dp_rank: int = 0, dp_size: in
     from ..tables import device_counts
 
     steps = recorder.step_trace()
-    if recorder.p2l is not None:  # evaluate against logical ids
-        layers = np.arange(recorder.num_layers)[None, :, None]
-        steps = RoutingTrace.from_arrays(steps.tokens, recorder.p2l[layers, steps.experts], steps.offsets,
-                                         vocab_size=steps.vocab_size, num_experts=steps.num_experts)
     if dp_size > 1:
         counts = device_counts(steps.experts, tables.placement.expert_device, tables.ep_size)
         group = tables.ep_size // dp_size

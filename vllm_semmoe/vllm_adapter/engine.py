@@ -19,25 +19,23 @@ def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype
     """An ``LLM`` with the plugin configured by ``semmoe`` (``None``: plugin inactive).
 
     ``in_process`` runs engine and worker in this process (fast start, and ``collective_rpc``
-    with a local function reaches the worker). Prefix caching is off so every prompt token is
+    with a local function reaches the worker); it is ignored under tensor/data/pipeline
+    parallelism, which needs worker processes. Prefix caching is off so every prompt token is
     computed — and so captured. ``enforce_eager`` (default here: these are short offline jobs,
     and compiling costs about a minute on CPU) can be turned off: the plugin works compiled.
     """
     from vllm import LLM
 
     cpu_defaults()
-    if in_process:
+    parallel = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("data_parallel_size") or 1) \
+        * int(kwargs.get("pipeline_parallel_size") or 1)
+    if in_process and parallel == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs.setdefault("distributed_executor_backend", "uni")
-    return LLM(
-        model=model,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=False,
-        additional_config={"semmoe": semmoe} if semmoe else {},
-        **kwargs,
-    )
+    settings = dict(dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                    enable_prefix_caching=False)
+    settings.update(kwargs)  # engine arguments given by the caller win (e.g. `semmoe profile --dtype`)
+    return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
 
 
 def fit_prompts(llm, prompts: list[str], max_model_len: int, max_tokens: int) -> list[dict]:

@@ -92,7 +92,8 @@ def _moe_layer(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_n
     if step is None or hidden_states.shape[0] != len(step.rows):
         return _not_aliasing(compat.moe_forward_eager(runner, hidden_states, router_logits), hidden_states)
     start = time.perf_counter()
-    out = tp_shuffle.shuffled_moe_forward(runner, state.tp_layers[layer_name], hidden_states, step)
+    out = tp_shuffle.shuffled_moe_forward(runner, state.tp_layers[layer_name], compat.moe_forward_eager, step,
+                                          hidden_states, router_logits)
     step.counters["moe_layer_s"] += time.perf_counter() - start
     return _not_aliasing(out, hidden_states)
 

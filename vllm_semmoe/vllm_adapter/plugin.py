@@ -197,7 +197,7 @@ def build_state(model, config, vllm_config) -> SemMoEState:
     the placement, the routing recorder and the TP shuffle, and register the state under the
     model and its MoE layers."""
     from .config import expert_parallel_size
-    from .replacement import install_placement, moe_runners
+    from .replacement import install_placement, install_self_check, moe_runners
 
     runners = moe_runners(model)
     layout = compat.parallel_layout(vllm_config)
@@ -211,7 +211,8 @@ def build_state(model, config, vllm_config) -> SemMoEState:
             num_layers=len(runners),
             num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
             ep_size=ep_size)
-        install_placement(runners, state.tables.placement)
+        installed = install_placement(model, runners, state.tables.placement)
+        install_self_check(model, runners, installed)
         logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
                     state.tables.placement.method, state.tables.ep_size, len(runners))
     if config.records:
@@ -246,22 +247,19 @@ def warm_up_scheduler(tables, ep_size: int) -> None:
 
 
 def fuse_decoder_layers(model, state: SemMoEState) -> int:
-    """Give Qwen3-MoE-style decoder layers (input/post-attention norms, row-parallel ``o_proj``,
-    ``mlp.experts`` = a shuffled MoE layer) the fused SRS/SAG forward; returns how many.
-    Other layers keep the MoE-boundary shuffle."""
+    """Give decoder layers whose structure :func:`.tp_shuffle.fusable_runner` recognises (e.g.
+    Qwen3-MoE's) the fused SRS/SAG forward; returns how many. Other MoE layers keep the
+    MoE-boundary shuffle, which runs vLLM's whole MoE layer."""
     from . import ops
+    from .tp_shuffle import fusable_runner
 
-    runner_class = compat.moe_runner_class()
     fused = 0
     for module in model.modules():
-        mlp, attn = getattr(module, "mlp", None), getattr(module, "self_attn", None)
-        experts = getattr(mlp, "experts", None)
-        if not isinstance(experts, runner_class) or experts.layer_name not in state.tp_layers \
-                or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "is_sequence_parallel", False) \
-                or not hasattr(attn, "o_proj") or not hasattr(module, "post_attention_layernorm"):
+        runner = fusable_runner(module, state.tp_layers)
+        if runner is None:
             continue
-        state.fused[experts.layer_name] = weakref.ref(module)
-        ops.install_decoder_op(module, experts.layer_name)
+        state.fused[runner.layer_name] = weakref.ref(module)
+        ops.install_decoder_op(module, runner.layer_name)
         fused += 1
     logger.info("semmoe: shuffled reduce-scatter/all-gather fused into %d decoder layers", fused)
     return fused

@@ -5,16 +5,25 @@ the partial outputs are all-reduced. Here instead, per MoE layer and forward ste
 
 1. all ranks compute the same schedule (:func:`vllm_semmoe.scheduling.tp_schedule` with the
    Sem-MoE tables, or contiguous equal slices for other tables), i.e. the SRS permutation;
-2. rank ``r`` gets the reduced rows of its ``ceil(B/E)`` tokens: in Qwen3-MoE-style decoder
-   layers by a shuffled reduce-scatter of the attention's unreduced output
-   (:func:`fused_decoder_forward`, residual add and norm then run on the slice), elsewhere by
-   taking its rows of vLLM's all-reduced input (:func:`shuffled_moe_forward`); it runs the
-   real gate on them;
+2. rank ``r`` owns its ``ceil(B/E)`` scheduled tokens;
 3. activations whose expert is on this rank are computed here; every token is sent once to
    each other rank that holds one of its experts (uneven ``all_to_all_single``), computed
-   there, and the partial sums come back (reverse all-to-all);
-4. the shuffled all-gather collects all slices (and, when fused, the residual) and applies the
-   inverse permutation, so every rank again holds ``[B, H]`` in token order.
+   there, and the partial sums come back (reverse all-to-all).
+
+Two ways to run it, both exactly vLLM's MoE layer:
+
+- **MoE boundary** (any model on vLLM's fused MoE layer, :func:`shuffled_moe_forward`): vLLM's
+  own ``MoERunner.forward`` runs on the replicated input, so the gate (in the runner or the
+  model's block), routing and its capture, shared experts and their gate, the routed scaling
+  factor, routed input/output transforms and zero experts are vLLM's code; only the routed
+  experts stage is replaced (steps 2-3), returning this rank's rows, and vLLM's final
+  all-reduce assembles them. Dense layers (before ``first_k_dense_replace``) are not touched.
+- **Fused into the collectives** (:func:`fused_decoder_forward`, only where
+  :func:`fusable_runner` recognises the decoder layer, e.g. Qwen3-MoE): the attention's
+  unreduced output goes through a shuffled reduce-scatter so rank ``r`` gets the reduced
+  rows of its tokens, residual add, norm, gate and routing run on the slice, and the shuffled
+  all-gather returns output and residual to every rank in token order (replacing vLLM's two
+  all-reduces).
 
 Bytes sent in dispatch and combine and local/remote activations are counted per layer.
 """
@@ -29,8 +38,8 @@ import torch
 from csrc_triton import sag_unpack, srs_pack
 
 from .. import scheduling
+from ..ep_exchange import EpExchange, send_plan
 from ..tables import SemMoETables
-
 from . import compat
 from .state import StepContext  # noqa: F401  (the step context the hooks pass in)
 
@@ -44,6 +53,7 @@ class TpShuffleLayer:
         self.tables = tables
         self.shuffle = tables.placement.method == "semmoe"
         self.t2d = tables.t2d_score[layer].astype(np.float32)
+        self.p2l = tables.placement.physical_to_logical()[layer]  # physical slot -> logical expert
         self._device_tables: dict = {}  # device -> (t2d, oov, markov) tensors for on-device decisions
 
     def schedule(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device | None = None):
@@ -94,20 +104,61 @@ def _index(indices, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(indices)).to(device)
 
 
-def shuffled_moe_forward(runner, layer: TpShuffleLayer, hidden_states: torch.Tensor, step: StepContext):
-    """MoE-boundary variant (any model): take this rank's slice of the replicated input, run
-    :func:`moe_on_slice`, and restore ``[B, H]`` with the shuffled all-gather."""
+def shuffled_moe_forward(runner, layer: TpShuffleLayer, moe_forward, step: StepContext, hidden_states,
+                         router_logits, *args, **kwargs):
+    """MoE-boundary variant (any model built on vLLM's fused MoE layer): vLLM's own
+    ``MoERunner.forward`` runs unchanged on the replicated ``[B, H]`` input (gate or the model's
+    router logits, routing with its capture hook, shared experts and their gate, the routed
+    scaling factor, input/output transforms, zero experts, the final TP all-reduce); only its
+    routed-experts stage is replaced by :func:`shuffled_routed_experts`: this rank computes the
+    complete routed output of *its* scheduled tokens (remote activations through the
+    all-to-all) and leaves the other rows zero, so vLLM's final all-reduce, which also sums the
+    TP-partial shared-expert output, yields every token's full output on every rank.
+    """
+    experts = runner.routed_experts
+    original = experts.forward_modular
+
+    def routed(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        return shuffled_routed_experts(original, layer, step, x, topk_weights, topk_ids,
+                                       shared_experts, shared_experts_input)
+
+    experts.forward_modular = routed
+    try:
+        return moe_forward(runner, hidden_states, router_logits, *args, **kwargs)
+    finally:
+        del experts.forward_modular
+
+
+def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepContext, x: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared_experts=None,
+                            shared_experts_input=None) -> torch.Tensor:
+    """The routed-experts stage of the MoE-boundary path: ``[B, H]`` holding the complete routed
+    output of this rank's scheduled tokens, zero elsewhere. ``topk_ids`` are physical ids of
+    all ``B`` tokens (vLLM routes every token on every rank)."""
     group = compat.ep_group()
-    B = hidden_states.shape[0]
+    rank, world = group.rank_in_group, group.world_size
+    B = x.shape[0]
     start = time.perf_counter()
-    slot_token, token_slot, cap = layer.schedule(step, B, group.world_size, hidden_states.device)
+    slot_token, _, cap = layer.schedule(step, B, world, x.device)
     step.counters["schedule_s"] += time.perf_counter() - start
-    mine_slots = slot_token[group.rank_in_group * cap : (group.rank_in_group + 1) * cap]
-    count = int((mine_slots >= 0).sum())
-    device = hidden_states.device
-    x_my = srs_pack(hidden_states, _index(mine_slots, device))[:count]
-    out_my = moe_on_slice(runner, layer, x_my, step, cap, token_slot, group)
-    return sag_unpack(_all_gather_slices(out_my, cap, group), _index(token_slot, device))
+    mine = slot_token[rank * cap : (rank + 1) * cap]
+    mine = _index(mine[mine >= 0], x.device)
+    out_my = routed_on_slice(forward_modular, x.index_select(0, mine), topk_weights.index_select(0, mine),
+                             topk_ids.index_select(0, mine), group, step.counters, shared_experts,
+                             shared_experts_input)
+    out = torch.zeros((B, *out_my.shape[1:]), dtype=out_my.dtype, device=out_my.device)
+    out.index_copy_(0, mine, out_my)
+    n_local = int(forward_modular.__self__.global_num_experts) // world
+    start = time.perf_counter()
+    all_ids = topk_ids.long().cpu().numpy()
+    step.counters["host_sync_s"] += time.perf_counter() - start
+    step.major[layer.layer] = _majority(all_ids, n_local, world)
+    return out
+
+
+def _majority(ids: np.ndarray, n_local: int, world: int) -> np.ndarray:
+    """``[B]``: the EP rank holding most of each token's chosen (physical) experts."""
+    return np.argmax(np.stack([(ids // n_local == d).sum(axis=1) for d in range(world)], axis=1), axis=1)
 
 
 def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_states, residual, step: StepContext):
@@ -148,70 +199,91 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
 
 
 def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepContext, cap: int,
-                 token_slot: np.ndarray, group) -> torch.Tensor:
-    """Gate this rank's tokens, move only remotely-routed ones, return their MoE output rows."""
-    import torch.distributed as dist
-
-    rank, world = group.rank_in_group, group.world_size
-    experts = runner.routed_experts
-    n_local = int(experts.global_num_experts) // world
-    H = x_my.shape[1]
-
+                 token_slot, group) -> torch.Tensor:
+    """Fused-decoder path: gate and route this rank's tokens (the runner holds its gate, has no
+    shared experts, transforms or scaling: see :func:`fusable_runner`), then the routed stage."""
     # the real gate on this rank's slice (capture is fed below, for all tokens, in token order)
     logits, _ = runner.gate(x_my)
     weights, ids = compat.select_experts(runner, x_my, logits)
-    start = time.perf_counter()
-    dest = (ids.long() // n_local).cpu().numpy()  # [m, K] rank holding each chosen expert
-    step.counters["host_sync_s"] += time.perf_counter() - start
+    out_my = routed_on_slice(runner.routed_experts.forward_modular, x_my, weights, ids, group, step.counters)
     device = x_my.device
-
-    # dispatch: each token once to every other rank holding one of its experts
-    send_index = [np.nonzero((dest == s).any(axis=1))[0] if s != rank else np.zeros(0, np.int64)
-                  for s in range(world)]
-    send_counts = torch.tensor([len(i) for i in send_index], dtype=torch.int64, device=device)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=_comm(group, device))
-    order = torch.from_numpy(np.concatenate(send_index).astype(np.int64)).to(device)
-    sends, recvs = send_counts.tolist(), recv_counts.tolist()
-    recv_x = _exchange(x_my.index_select(0, order), recvs, sends, group)
-    recv_ids = _exchange(ids.index_select(0, order).to(torch.int64), recvs, sends, group)
-    recv_w = _exchange(weights.index_select(0, order).float(), recvs, sends, group)
-
-    # experts: this rank's experts for its own tokens and for the rows it received
-    local_out = compat.experts_forward(experts, x_my, weights, ids)
-    remote_out = compat.experts_forward(experts, recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
-        if recv_x.shape[0] else recv_x
-    back = _exchange(remote_out, sends, recvs, group)  # combine: partial sums home
-    out_my = local_out.index_add(0, order, back) if order.numel() else local_out
-
-    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(
-        0, _index(token_slot, device))
+    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(0, _index(token_slot, device))
     start = time.perf_counter()
-    full_ids = full_ids.cpu()
+    full_ids = full_ids.cpu().numpy()
     step.counters["host_sync_s"] += time.perf_counter() - start
-    local = int((dest == rank).sum())
-    row_bytes = H * x_my.element_size()
-    counters = step.counters
-    counters["dispatch_bytes"] += sum(sends) * row_bytes
-    counters["combine_bytes"] += sum(recvs) * row_bytes
-    counters["local_activations"] += local
-    counters["remote_activations"] += dest.size - local
-    counters["tokens"] += x_my.shape[0]
-    counters["layers_run"] += 1
-    majority = np.stack([(full_ids.numpy() // n_local == d).sum(axis=1) for d in range(world)], axis=1)
-    step.major[layer.layer] = np.argmax(majority, axis=1)
-    if step.recorder is not None:
-        step.recorder.on_layer(layer.layer, full_ids)
+    n_local = int(runner.routed_experts.global_num_experts) // group.world_size
+    step.major[layer.layer] = _majority(full_ids, n_local, group.world_size)
+    if step.recorder is not None:  # the recorder takes logical ids
+        step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids]))
     return out_my
 
 
-def _exchange(tensor: torch.Tensor, recv_counts: list[int], send_counts: list[int], group) -> torch.Tensor:
-    """Uneven all-to-all of rows (``tensor`` rows ordered by destination)."""
-    import torch.distributed as dist
+def routed_on_slice(forward_modular, x_my: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group,
+                    counters: dict, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+    """Routed-expert output rows of this rank's tokens ``x_my`` (physical ``ids`` ``[m, K]``):
+    local activations computed here; each token sent once to every other rank holding one of
+    its experts (:func:`vllm_semmoe.ep_exchange.send_plan`, uneven all-to-all), computed there,
+    partial sums sent back. Bytes are counted from the tensors the exchange moves."""
+    rank, world = group.rank_in_group, group.world_size
+    experts = forward_modular.__self__
+    n_local = int(experts.global_num_experts) // world
+    device = x_my.device
+    dest = ids.long() // n_local  # [m, K] rank holding each chosen expert
+    order, send_counts = send_plan(dest, rank, world)
+    xchg = EpExchange(_comm(group, device))
+    start = time.perf_counter()
+    sends = send_counts.tolist()  # the split sizes: the one host round trip the all-to-all needs
+    counters["host_sync_s"] += time.perf_counter() - start
+    recvs = xchg.exchange_counts(send_counts)
+    recv_x = xchg.dispatch(x_my.index_select(0, order), sends, recvs)
+    recv_ids = xchg.dispatch(ids.index_select(0, order).to(torch.int64), sends, recvs, metadata=True)
+    recv_w = xchg.dispatch(weights.index_select(0, order).float(), sends, recvs, metadata=True)
 
-    out = torch.empty((sum(recv_counts), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_to_all_single(out, tensor.contiguous(), recv_counts, send_counts, group=_comm(group, tensor.device))
-    return out
+    # experts: this rank's experts for its own tokens and for the rows it received
+    local_out = forward_modular(x_my, weights, ids, shared_experts, shared_experts_input)
+    remote_out = forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
+        if recv_x.shape[0] else recv_x
+    back = xchg.combine(remote_out, sends, recvs)  # combine: partial sums home
+    out_my = local_out.index_add(0, order, back) if order.numel() else local_out
+
+    local = int((dest == rank).sum())
+    counters["dispatch_bytes"] += xchg.counters.dispatch_bytes
+    counters["combine_bytes"] += xchg.counters.combine_bytes
+    counters["local_activations"] += local
+    counters["remote_activations"] += dest.numel() - local
+    counters["tokens"] += x_my.shape[0]
+    counters["layers_run"] += 1
+    return out_my
+
+
+def fusable_runner(decoder, tp_layers: dict):
+    """The MoE runner of ``decoder`` when the fused SRS/SAG forward computes exactly what vLLM
+    does there, else ``None``. Recognised structure: a decoder layer made only of
+    ``input_layernorm``, ``self_attn`` (with a row-parallel ``o_proj``), ``post_attention_layernorm``
+    and ``mlp``, whose only parameters are those of ``mlp.experts``, a shuffled MoE runner that
+    holds its gate (a layer of ``tp_layers``, name -> :class:`TpShuffleLayer`) and has no shared experts, routed transforms, scaling factor or zero experts,
+    without sequence parallelism. (Qwen3-MoE's decoder layer is one; DeepSeek's, with shared
+    experts, and Mixtral's, whose router is outside the runner, are not and keep the
+    MoE-boundary path, which runs vLLM's whole MoE layer.)"""
+    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+
+    mlp, attn = getattr(decoder, "mlp", None), getattr(decoder, "self_attn", None)
+    runner = getattr(mlp, "experts", None)
+    if getattr(runner, "layer_name", None) not in tp_layers \
+            or not hasattr(getattr(attn, "o_proj", None), "reduce_results"):
+        return None
+    if {name for name, child in decoder.named_children() if any(True for _ in child.parameters())} \
+            - {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}:
+        return None
+    experts_params = {id(p) for p in runner.parameters()}
+    if any(id(p) not in experts_params for p in mlp.parameters()):
+        return None
+    if (runner.gate is None or runner.shared_experts is not None or runner.routed_input_transform is not None
+            or runner.routed_output_transform is not None or runner.routed_scaling_factor != 1.0
+            or isinstance(runner.router, ZeroExpertRouter) or runner.moe_config.is_sequence_parallel
+            or getattr(mlp, "is_sequence_parallel", False)):
+        return None
+    return runner
 
 
 def _all_gather_slices(rows: torch.Tensor, cap: int, group) -> torch.Tensor:
