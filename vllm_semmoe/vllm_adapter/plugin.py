@@ -332,6 +332,14 @@ def attach_recorder(runner, config):
         recorder.dp_counters = DpLiveCounters(
             dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
             parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
+    if tables is not None:
+        from .capture import LiveMeter
+
+        recorder.meter = LiveMeter(tables, vocab_size=recorder.vocab_size, dp_rank=parallel.data_parallel_rank,
+                                   dp_size=parallel.data_parallel_size)
+    if config.capture is not None and _tp_rank() == 0:  # TP ranks see the same tokens: one writes
+        recorder.open_store(config.capture, dp_rank=parallel.data_parallel_rank,
+                            dp_size=parallel.data_parallel_size)
     runner._semmoe_config = config
     recorder.config_mode = config.mode
     # tables for the TP shuffle, when this engine runs it (set at model build)
@@ -360,8 +368,16 @@ def dp_capture_path(path: str, parallel_config) -> str:
     return f"{root}.dp{parallel_config.data_parallel_rank}{ext}"
 
 
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
 def flush_capture(runner_or_worker) -> dict:
-    """Write the capture (rank 0 of its TP group) and return the live metrics.
+    """Drain the pending routing to the capture (rank 0 of its TP group) and return the live
+    metrics. The capture is durable without it (the recorder drains every second); this makes
+    it complete up to now.
 
     Accepts a model runner or a vLLM worker, so ``LLM.collective_rpc(flush_capture)`` works.
     """
@@ -370,28 +386,20 @@ def flush_capture(runner_or_worker) -> dict:
     config = getattr(runner, "_semmoe_config", None)
     if recorder is None or recorder.num_steps == 0:
         return {}
-    if getattr(recorder, "flushed_steps", None) == recorder.num_steps:
-        return recorder.flushed_summary  # nothing new since the last flush
-    from vllm.distributed import parallel_state
-
-    from .capture import live_lar
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    recorder.drain()
     dp = runner.vllm_config.parallel_config
     summary = {"steps": recorder.num_steps, "dp_rank": dp.data_parallel_rank}
-    tables = getattr(runner.get_model(), "_semmoe_tables", None)
     if getattr(recorder, "config_mode", None) == "tp":
         from .tp_shuffle import TpShuffleLayer
 
         if TpShuffleLayer.counters["layers_run"]:
             summary["tp_shuffle"] = dict(TpShuffleLayer.counters)
-    if tables is not None:
-        summary["live"] = live_lar(recorder, tables, dp_rank=dp.data_parallel_rank, dp_size=dp.data_parallel_size)
-    if tp_rank == 0 and config.capture is not None:
-        path = dp_capture_path(config.capture, dp)
-        recorder.trace().save(path)
-        with open(path + ".json", "w") as f:
+    if recorder.meter is not None:
+        summary["live"] = recorder.meter.result()
+    if recorder.store is not None:
+        path = dp_capture_path(config.capture, dp) + ".json"
+        with open(path + ".tmp", "w") as f:
             json.dump(summary, f, indent=2)
-        summary["path"] = path
-    recorder.flushed_steps, recorder.flushed_summary = recorder.num_steps, summary
+        os.replace(path + ".tmp", path)
+        summary["path"] = config.capture
     return summary
