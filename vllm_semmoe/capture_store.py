@@ -4,26 +4,22 @@ A capture requested at ``X.npz`` is written while the engine runs into the direc
 ``X.npz.parts/``, one *segment* file per engine (``dp<rank>.seg``; only TP rank 0 of an engine
 writes). A segment is a sequence of framed records::
 
-    b"SMRC" | uint32 kind | uint64 payload length | uint32 crc32(payload) | payload (.npz bytes)
+    b"SMRC" | uint32 kind | uint64 payload length | uint32 crc32(payload) | payload
 
-Record 0 (``kind`` 0, the header) holds the capture's shape: ``num_layers``, ``num_experts``,
-``top_k``, ``vocab_size``, ``dp_rank``, ``dp_size`` (int64 scalars) and ``vocab`` (str ``[V]``,
-may be empty). Every later record (``kind`` 1) is a chunk of forward steps:
+Record 0 (``kind`` 0, the header, an ``.npz`` payload) holds the capture's shape:
+``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``, ``dp_rank``, ``dp_size`` (int64
+scalars) and ``vocab`` (str ``[V]``, may be empty). Every later record (``kind`` 1) is one
+forward step, in a compact little-endian payload (``Rs`` requests, ``n`` tokens)::
 
-==============  =============  ====================================================
-key             dtype, shape   meaning
-==============  =============  ====================================================
-``names``       str ``[Rc]``   the engine's request ids seen in the chunk
-``prompt_len``  int64 ``[Rc]`` their prompt lengths
-``request``     int64 ``[n]``  each token's index into ``names``
-``position``    int64 ``[n]``  each token's position in its request
-``token``       int64 ``[n]``  token ids
-``experts``     int ``[n,L,K]`` logical expert ids per MoE layer
-==============  =============  ====================================================
+    uint32 Rs | uint32 n | uint16 L | uint16 K | uint8 expert bytes (1, 2 or 4) | 3 pad bytes
+    uint32 name bytes | the step's request ids, UTF-8, NUL-separated
+    int64 [Rs] prompt lengths | int32 [n] request index (into the step's ids)
+    int32 [n] position | int32 [n] token id | uint{8,16,32} [n, L, K] logical expert ids
 
-A record is appended with one ``write`` and flushed to the OS at once, so a killed process
-(``SIGTERM``, ``SIGINT``, ``kill -9``, a crash) leaves every record but at most a torn last one,
-which readers drop. :func:`read_capture` merges every segment into one
+Engines append a step's record as soon as its forward pass ends, with one ``write`` flushed to
+the OS at once, so a killed process (``SIGTERM``, ``SIGINT``, ``kill -9``, a crash) loses at
+most the step it was computing: every request a client saw complete is on disk. A torn last
+record is dropped by readers. :func:`read_capture` merges every segment into one
 :class:`~vllm_semmoe.trace.RoutingTrace` (requests of all DP ranks, token order, a recomputed
 position keeping its last capture); :func:`vllm_semmoe.trace.load_trace` reads ``X.npz`` or
 ``X.npz.parts/`` alike, and :func:`compact_capture` turns the parts into the single ``X.npz``.
@@ -50,7 +46,8 @@ _FRAME = struct.Struct("<4sIQI")  # magic, kind, payload length, crc32
 HEADER, CHUNK = 0, 1
 PARTS_SUFFIX = ".parts"
 HEADER_KEYS = ("num_layers", "num_experts", "top_k", "vocab_size", "dp_rank", "dp_size")
-CHUNK_KEYS = ("names", "prompt_len", "request", "position", "token", "experts")
+_STEP = struct.Struct("<IIHHB3xI")  # requests, tokens, layers, top_k, expert bytes, name bytes
+_EXPERT_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 #: largest record a reader accepts (a corrupt length field must not allocate terabytes)
 MAX_RECORD_BYTES = 1 << 34
 
@@ -66,11 +63,57 @@ def segment_path(path: str | os.PathLike, dp_rank: int) -> str:
 
 
 # ---- writing ------------------------------------------------------------------------------------
-def _frame(kind: int, arrays: dict) -> bytes:
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _FRAME.pack(MAGIC, kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def _npz_bytes(arrays: dict) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    payload = buffer.getvalue()
-    return _FRAME.pack(MAGIC, kind, len(payload), zlib.crc32(payload)) + payload
+    return buffer.getvalue()
+
+
+def encode_step(names, prompt_len, request, position, token, experts) -> bytes:
+    """The payload of one step record (layout in the module docstring)."""
+    experts = np.asarray(experts)
+    n, L, K = experts.shape
+    top = int(experts.max()) if n else 0
+    width = 1 if top < 256 else 2 if top < 65536 else 4
+    blob = "\0".join(names).encode()
+    return b"".join((
+        _STEP.pack(len(names), n, L, K, width, len(blob)), blob,
+        np.asarray(prompt_len, "<i8").tobytes(), np.asarray(request, "<i4").tobytes(),
+        np.asarray(position, "<i4").tobytes(), np.asarray(token, "<i4").tobytes(),
+        experts.astype(np.dtype(_EXPERT_TYPES[width]).newbyteorder("<")).tobytes(),
+    ))
+
+
+def decode_step(payload: bytes) -> dict:
+    """Inverse of :func:`encode_step`; ``ValueError`` on a payload of the wrong size."""
+    if len(payload) < _STEP.size:
+        raise ValueError(f"{len(payload)} bytes, shorter than a step header")
+    R, n, L, K, width, name_bytes = _STEP.unpack_from(payload)
+    if width not in _EXPERT_TYPES:
+        raise ValueError(f"expert width {width}")
+    sizes = (name_bytes, 8 * R, 4 * n, 4 * n, 4 * n, width * n * L * K)
+    if _STEP.size + sum(sizes) != len(payload):
+        raise ValueError(f"{len(payload)} bytes do not match its header ({R} requests, {n} tokens, {L}x{K})")
+    offset = _STEP.size
+    parts = []
+    for size in sizes:
+        parts.append(payload[offset : offset + size])
+        offset += size
+    names = parts[0].decode().split("\0") if R else []
+    if len(names) != R:
+        raise ValueError(f"{len(names)} request ids for {R} requests")
+    return {
+        "names": names,
+        "prompt_len": np.frombuffer(parts[1], "<i8").astype(np.int64),
+        "request": np.frombuffer(parts[2], "<i4").astype(np.int64),
+        "position": np.frombuffer(parts[3], "<i4").astype(np.int64),
+        "token": np.frombuffer(parts[4], "<i4").astype(np.int64),
+        "experts": np.frombuffer(parts[5], np.dtype(_EXPERT_TYPES[width]).newbyteorder("<")).reshape(n, L, K),
+    }
 
 
 class SegmentWriter:
@@ -97,16 +140,14 @@ class SegmentWriter:
         header = {k: np.int64(v) for k, v in zip(HEADER_KEYS, (num_layers, num_experts, top_k, vocab_size,
                                                                dp_rank, dp_size))}
         header["vocab"] = np.asarray(list(vocab), dtype=str)
-        self._write(HEADER, header)
+        self._file.write(_frame(HEADER, _npz_bytes(header)))
+        self._file.flush()
+        self.records = 1
 
     def append(self, names: list[str], prompt_len, request, position, token, experts) -> None:
-        """Append one chunk of steps (shapes as in the module docstring)."""
-        self._write(CHUNK, {"names": np.asarray(names, dtype=str), "prompt_len": np.asarray(prompt_len, np.int64),
-                            "request": np.asarray(request, np.int64), "position": np.asarray(position, np.int64),
-                            "token": np.asarray(token, np.int64), "experts": np.asarray(experts)})
-
-    def _write(self, kind: int, arrays: dict) -> None:
-        self._file.write(_frame(kind, arrays))
+        """Append one forward step: ``names`` the step's request ids, ``prompt_len`` ``[Rs]``,
+        ``request``/``position``/``token`` ``[n]``, ``experts`` ``[n, L, K]`` logical ids."""
+        self._file.write(_frame(CHUNK, encode_step(names, prompt_len, request, position, token, experts)))
         self._file.flush()  # in the OS from here: survives the death of this process
         self.records += 1
 
@@ -116,7 +157,8 @@ class SegmentWriter:
 
 # ---- reading ------------------------------------------------------------------------------------
 def read_segment(path: str) -> tuple[dict, list[dict], bool]:
-    """``(header, chunks, torn)`` of one segment file; ``torn``: a partial last record was dropped.
+    """``(header, steps, torn)`` of one segment file; ``torn``: a partial last record was dropped
+    (``header`` is ``None`` when not even the header record is complete).
 
     Raises :class:`TraceError` naming the file for anything but a torn tail.
     """
@@ -147,27 +189,41 @@ def read_segment(path: str) -> tuple[dict, list[dict], bool]:
             raise TraceError(f"{path}: record at byte {offset} is corrupt (checksum mismatch)")
         records.append((kind, offset, payload))
         offset = start + length
-    if not records:
-        raise TraceError(f"{path}: empty capture segment (no header record)")
-    header = _parse(path, records[0], HEADER, HEADER_KEYS + ("vocab",))
-    header = {k: (_scalar(path, k, header[k]) if k in HEADER_KEYS else header[k]) for k in header}
-    chunks = [_parse(path, record, CHUNK, CHUNK_KEYS) for record in records[1:]]
+    if not records:  # killed before its header was complete: nothing captured
+        return None, [], True
+    header = _parse_header(path, records[0])
+    chunks = [_parse_step(path, record) for record in records[1:]]
     return header, chunks, torn
 
 
-def _parse(path: str, record, kind: int, keys: tuple) -> dict:
-    got_kind, offset, payload = record
-    if got_kind != kind:
-        raise TraceError(f"{path}: record at byte {offset} has kind {got_kind}, expected {kind}")
+def _parse_header(path: str, record) -> dict:
+    kind, offset, payload = record
+    if kind != HEADER:
+        raise TraceError(f"{path}: first record has kind {kind}, expected a header ({HEADER})")
     try:
         with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except Exception as exc:  # any decoding failure of untrusted bytes is a damaged file
-        raise TraceError(f"{path}: record at byte {offset} is not readable ({type(exc).__name__}: {exc})") from None
-    missing = [k for k in keys if k not in arrays]
+        raise TraceError(f"{path}: header record is not readable ({type(exc).__name__}: {exc})") from None
+    missing = [k for k in HEADER_KEYS + ("vocab",) if k not in arrays]
     if missing:
-        raise TraceError(f"{path}: record at byte {offset} lacks field(s) {', '.join(missing)}")
-    return arrays
+        raise TraceError(f"{path}: header record lacks field(s) {', '.join(missing)}")
+    header = {k: _scalar(path, k, arrays[k]) for k in HEADER_KEYS}
+    vocab = arrays["vocab"]
+    if vocab.ndim != 1 or vocab.dtype.kind not in "US":
+        raise TraceError(f"{path}: header vocab must be a 1-D string array, got {vocab.dtype} {vocab.shape}")
+    header["vocab"] = vocab
+    return header
+
+
+def _parse_step(path: str, record) -> dict:
+    kind, offset, payload = record
+    if kind != CHUNK:
+        raise TraceError(f"{path}: record at byte {offset} has kind {kind}, expected a step ({CHUNK})")
+    try:
+        return decode_step(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: step record at byte {offset} is damaged ({exc})") from None
 
 
 def _scalar(path: str, key: str, value: np.ndarray) -> int:
@@ -207,6 +263,8 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
     columns = {"request": [], "position": [], "token": [], "experts": []}
     for path in files:
         header, chunks, _ = read_segment(path)
+        if header is None:
+            continue
         this = tuple(header[k] for k in ("num_layers", "num_experts", "top_k", "vocab_size"))
         if shape is None:
             shape = this
@@ -219,7 +277,7 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
         for chunk in chunks:
             _check_chunk(path, chunk, L, N, K)
             local = np.empty(len(chunk["names"]), np.int64)
-            for i, (name, plen) in enumerate(zip(chunk["names"].tolist(), chunk["prompt_len"].tolist())):
+            for i, (name, plen) in enumerate(zip(chunk["names"], chunk["prompt_len"].tolist())):
                 key = (rank, name)
                 if key not in keys:
                     keys[key] = len(names)
@@ -242,28 +300,20 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
 
 
 def _check_chunk(path: str, chunk: dict, L: int, N: int, K: int) -> None:
-    n = len(chunk["token"])
-    R = len(chunk["names"])
-    problems = []
-    for key in ("request", "position", "token"):
-        if chunk[key].shape != (n,) or not np.issubdtype(chunk[key].dtype, np.integer):
-            problems.append(f"{key} must be integer [{n}], got {chunk[key].dtype} {chunk[key].shape}")
-    if chunk["names"].ndim != 1 or chunk["names"].dtype.kind != "U":
-        problems.append(f"names must be a string vector, got {chunk['names'].dtype} {chunk['names'].shape}")
-    if chunk["prompt_len"].shape != (R,) or not np.issubdtype(chunk["prompt_len"].dtype, np.integer):
-        problems.append(f"prompt_len must be integer [{R}]")
+    n, R = len(chunk["token"]), len(chunk["names"])
     e = chunk["experts"]
-    if e.shape != (n, L, K) or not np.issubdtype(e.dtype, np.integer):
-        problems.append(f"experts must be integer [{n}, {L}, {K}], got {e.dtype} {e.shape}")
-    if not problems and n:
+    problems = []
+    if e.shape[1:] != (L, K):
+        problems.append(f"experts are [n, {e.shape[1]}, {e.shape[2]}], the header says [n, {L}, {K}]")
+    elif n:
         if chunk["request"].min() < 0 or chunk["request"].max() >= R:
             problems.append(f"request index outside [0, {R})")
-        if chunk["position"].min() < 0:
-            problems.append("negative position")
-        if e.min() < 0 or e.max() >= N:
-            problems.append(f"expert id outside [0, {N})")
+        if chunk["position"].min() < 0 or chunk["token"].min() < 0:
+            problems.append("negative position or token id")
+        if e.max() >= N:
+            problems.append(f"expert id {int(e.max())} >= {N} experts")
     if problems:
-        raise TraceError(f"{path}: damaged chunk: " + "; ".join(problems))
+        raise TraceError(f"{path}: damaged step record: " + "; ".join(problems))
 
 
 def assemble_trace(req, pos, tok, experts, names, prompt_len, *, num_experts: int, vocab_size: int,

@@ -2,13 +2,13 @@
 
 A :class:`RoutingRecorder` sees every real forward step (not vLLM's warm-up or profiling runs,
 which bypass ``_model_forward``): which request each token belongs to, its position and id,
-and the top-k expert ids every MoE layer chose for it. Steps are kept in memory only until the
-next *drain* — every :data:`FLUSH_INTERVAL_S` seconds (a background thread), when
-:data:`FLUSH_STEPS` steps or :data:`FLUSH_TOKENS` tokens are pending, and at every
-:func:`~vllm_semmoe.vllm_adapter.plugin.flush_capture` — which appends them, with logical expert
-ids, to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_store`) and
-adds them to the live-LAR meter. Memory stays bounded however long the engine serves, and a
-killed engine loses at most the steps of the last interval.
+and the top-k expert ids every MoE layer chose for it. When the step's forward pass ends it
+appends the step, with logical expert ids, to this engine's segment of the durable capture
+(:mod:`vllm_semmoe.capture_store`): the capture survives any way the engine stops, and the
+recorder keeps no history. For live LAR, steps wait in memory until :data:`METER_STEPS` steps or
+:data:`METER_TOKENS` tokens are pending (or :func:`~vllm_semmoe.vllm_adapter.plugin.flush_capture`
+runs) and are then counted by a :class:`LiveMeter`: memory stays bounded however long the
+engine serves.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
-import time
-import weakref
 
 import numpy as np
 import torch
@@ -29,11 +26,9 @@ from ..trace import RoutingTrace
 
 logger = logging.getLogger("vllm.semmoe")
 
-#: seconds between background drains of the pending steps to disk (the durability window)
-FLUSH_INTERVAL_S = 1.0
-#: drain at once when this many steps or tokens are pending (bounds the recorder's memory)
-FLUSH_STEPS = 256
-FLUSH_TOKENS = 1 << 16
+#: count pending steps for live LAR once this many steps or tokens wait (bounds memory)
+METER_STEPS = 256
+METER_TOKENS = 1 << 16
 
 
 class RoutingRecorder:
@@ -45,7 +40,7 @@ class RoutingRecorder:
         vocab: token strings (index = token id) and ``vocab_size``.
 
     ``store`` (a :class:`~vllm_semmoe.capture_store.SegmentWriter`, set by :meth:`open_store`)
-    receives the drained steps; ``meter`` (a :class:`LiveMeter`) counts them for live LAR.
+    receives every step as it ends; ``meter`` (a :class:`LiveMeter`) counts them for live LAR.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
@@ -54,10 +49,8 @@ class RoutingRecorder:
         self.p2l = placement.physical_to_logical() if placement is not None else None
         self.vocab, self.vocab_size = vocab, vocab_size
         self.num_steps = 0  # steps recorded since start
-        self._pending: list[dict] = []  # steps not drained yet
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens, logical experts) not metered yet
         self._pending_tokens = 0
-        self._lock = threading.Lock()  # guards _pending
-        self._drain_lock = threading.Lock()  # one drain at a time, in step order
         self._current: dict | None = None
         self.store: SegmentWriter | None = None
         self.meter: LiveMeter | None = None
@@ -96,19 +89,26 @@ class RoutingRecorder:
         missing = [l for l, e in enumerate(step["experts"]) if e is None]
         if missing:  # e.g. pipeline parallel: this rank does not run every layer
             raise RuntimeError(f"semmoe capture: MoE layers {missing} produced no routing in a step")
-        step["experts"] = np.stack(step["experts"], axis=1)  # [n, L, K] physical ids
-        with self._lock:
-            self._pending.append(step)
-            self._pending_tokens += len(step["token"])
-            self.num_steps += 1
-            full = len(self._pending) >= FLUSH_STEPS or self._pending_tokens >= FLUSH_TOKENS
+        physical = np.stack(step["experts"], axis=1)  # [n, L, K]
+        experts = self.logical(physical)
+        self.num_steps += 1
+        if self.store is not None:
+            try:
+                self.store.append(step["names"], step["prompt_len"], step["request"], step["position"],
+                                  step["token"], experts)
+            except OSError:  # disk full, directory removed, ...: say so once, keep serving
+                logger.exception("semmoe: could not append to the routing capture; capture stopped")
+                self.store = None
         if self.dp_counters is not None:
             prompt = step["position"] < step["prompt_len"][step["request"]]
-            self.dp_counters.update(step["experts"], int(prompt.sum()), self.num_steps)
-        if full:
-            self.drain()
+            self.dp_counters.update(physical, int(prompt.sum()), self.num_steps)
+        if self.meter is not None:
+            self._pending.append((step["token"], experts))
+            self._pending_tokens += len(step["token"])
+            if len(self._pending) >= METER_STEPS or self._pending_tokens >= METER_TOKENS:
+                self.drain()
 
-    # ---- draining --------------------------------------------------------------------------
+    # ---- storage and metering --------------------------------------------------------------
     def logical(self, physical: np.ndarray) -> np.ndarray:
         """``[n, L, K]`` physical expert ids → logical ids (through the placement)."""
         if self.p2l is None:
@@ -116,57 +116,19 @@ class RoutingRecorder:
         return self.p2l[np.arange(self.num_layers)[None, :, None], physical]
 
     def open_store(self, path: str, *, dp_rank: int = 0, dp_size: int = 1) -> None:
-        """Write drained steps to ``path``'s durable capture (this engine's segment) and start
-        the background drain every :data:`FLUSH_INTERVAL_S` seconds."""
+        """Append every step from now on to ``path``'s durable capture (this engine's segment)."""
         self.store = SegmentWriter(path, num_layers=self.num_layers, num_experts=self.num_experts,
                                    top_k=self.top_k, vocab_size=self.vocab_size,
                                    vocab=self.vocab if len(self.vocab) == self.vocab_size else (),
                                    dp_rank=dp_rank, dp_size=dp_size)
-        threading.Thread(target=_drain_loop, args=(weakref.ref(self), FLUSH_INTERVAL_S),
-                         name="semmoe-capture", daemon=True).start()
 
     def drain(self) -> int:
-        """Append the pending steps to the store and the meter; returns how many steps."""
-        with self._drain_lock:
-            with self._lock:
-                steps, self._pending, self._pending_tokens = self._pending, [], 0
-            if not steps:
-                return 0
-            experts = self.logical(np.concatenate([s["experts"] for s in steps]))
-            tokens = np.concatenate([s["token"] for s in steps])
-            if self.store is not None:
-                names, index = [], {}
-                request, prompt_len = [], []
-                for s in steps:
-                    local = np.empty(len(s["names"]), np.int64)
-                    for i, (name, plen) in enumerate(zip(s["names"], s["prompt_len"])):
-                        if name not in index:
-                            index[name] = len(names)
-                            names.append(name)
-                            prompt_len.append(int(plen))
-                        local[i] = index[name]
-                    request.append(local[s["request"]])
-                self.store.append(names, prompt_len, np.concatenate(request),
-                                  np.concatenate([s["position"] for s in steps]), tokens, experts)
-            if self.meter is not None:
-                self.meter.add(tokens, experts, [len(s["token"]) for s in steps])
-            return len(steps)
-
-
-def _drain_loop(recorder_ref, interval: float) -> None:
-    """Background drain of a recorder until it is garbage or its store fails."""
-    while True:
-        time.sleep(interval)
-        recorder = recorder_ref()
-        if recorder is None:
-            return
-        try:
-            recorder.drain()
-        except Exception:  # disk full, directory removed, ...: say so once, keep serving
-            logger.exception("semmoe: could not write the routing capture; capture stopped")
-            recorder.store = None
-            return
-        del recorder
+        """Count the steps waiting for the live meter; returns how many."""
+        steps, self._pending, self._pending_tokens = self._pending, [], 0
+        if steps and self.meter is not None:
+            self.meter.add(np.concatenate([t for t, _ in steps]), np.concatenate([e for _, e in steps]),
+                           [len(t) for t, _ in steps])
+        return len(steps)
 
 
 class LiveMeter:
