@@ -138,6 +138,7 @@ def validate_against_model(config, vllm_config) -> None:
                         if getattr(hf, k, None)), None)
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
+    config.check_parallel(vllm_config.parallel_config)
     config.load_tables(num_layers=None, num_experts=int(num_experts),
                        ep_size=expert_parallel_size(vllm_config.parallel_config))
 
