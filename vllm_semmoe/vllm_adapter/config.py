@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from ..tables import SemMoETables, TablesError, load_tables
@@ -133,3 +135,22 @@ def expert_parallel_size(parallel_config) -> int:
         return 1
     size = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
     return size * getattr(parallel_config, "prefill_context_parallel_size", 1)
+
+
+def install_one_line_refusals() -> None:
+    """Make an uncaught :class:`SemMoEConfigError` (a refused start, e.g. of ``vllm serve``) print
+    one line instead of vLLM's call stack; the traceback goes to the debug log. Other exceptions
+    keep the previous hook. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "_semmoe", False):
+        return
+
+    def hook(kind, value, traceback):
+        if isinstance(value, SemMoEConfigError):
+            logging.getLogger("vllm.semmoe").debug("semmoe: start refused", exc_info=(kind, value, traceback))
+            print(f"semmoe: error: {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, traceback)
+
+    hook._semmoe = True
+    sys.excepthook = hook

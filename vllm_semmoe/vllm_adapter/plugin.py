@@ -51,6 +51,9 @@ def register() -> None:
         return
     check_vllm()
     from . import cpu_fixes
+    from .config import install_one_line_refusals
+
+    install_one_line_refusals()
 
     cpu_fixes.apply_cpu_fixes()
     _fix_triton_rebind_scan()
