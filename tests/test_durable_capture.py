@@ -169,7 +169,7 @@ def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            wait_healthy(base, server, 240, str(log_path))
+            wait_healthy(base, server, 600, str(log_path))
             ready = time.monotonic()
             done: list = []
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
