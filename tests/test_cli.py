@@ -59,3 +59,18 @@ def test_user_errors_are_one_line(tmp_path, capsys):
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "vllm_semmoe.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and "vllm-semmoe" in result.stdout
+
+
+def test_methods_come_from_the_policy_registry(trace_file, tmp_path, monkeypatch):
+    """A policy added to the registry alone is accepted by ``solve`` and ``eval`` (no second list)."""
+    from vllm_semmoe.policy import POLICIES
+    from vllm_semmoe.policy.simple import RoundRobinPolicy
+
+    class MinePolicy(RoundRobinPolicy):
+        name = "mine"
+
+    monkeypatch.setitem(POLICIES, "mine", MinePolicy)
+    assert main(["solve", "--trace", str(trace_file), "--ep", "4", "--method", "mine", "--out", str(tmp_path / "t")]) == 0
+    out = tmp_path / "e.json"
+    assert main(["eval", "--profile", str(trace_file), "--ep", "4", "--method", "vanilla,mine", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())["methods"]) == {"vanilla", "mine"}

@@ -64,6 +64,8 @@ from datetime import timedelta
 
 import numpy as np
 
+from .cost_model import step_counts
+
 DEFAULT_METHODS = ("vanilla", "eplb", "semmoe")
 POOL_ROWS = 4096  # distinct random hidden rows; token (t, layer) uses row (31 t + 7 layer) mod POOL_ROWS
 CHECK_TOL = 0.05  # per-token relative L2 error allowed against the fp32 reference (bf16 wire/compute)
@@ -226,22 +228,22 @@ def analytic_counts(plan: BenchPlan, method: str) -> dict:
     """What the routing implies, without running anything.
 
     Returns ``rows [L, E, E]`` (rows each source rank must dispatch to each other rank:
-    tokens with at least one expert there), ``local`` / ``activations`` (local and all
-    (token, layer, expert) activations), ``tokens`` (token-batches, counted once per batch).
+    tokens with at least one expert there; ``step_rows [S, L, E, E]`` per step),
+    ``activations_per_rank [S, L, E]`` ((token, expert) pairs each rank computes), ``local`` /
+    ``activations`` (local and all (token, layer, expert) activations), ``tokens``
+    (token-batches, counted once per batch). Counted by :func:`.cost_model.step_counts`.
     """
-    rows_idx, _ = plan.step_rows[method]
-    ex = plan.experts[rows_idx].astype(np.int64)  # [P, L, K]
-    dev = plan.step_device[method].astype(np.int64)  # [P, L]
-    L, E = plan.num_layers, plan.ranks
-    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex]  # [P, L, K]
-    present = (ed[..., None] == np.arange(E)).any(axis=2)  # [P, L, E]
-    rows = np.zeros((L, E, E), np.int64)
-    for src in range(E):
-        rows[:, src, :] = (present & (dev == src)[..., None]).sum(axis=0)
-        rows[:, src, src] = 0
+    rows_idx, offsets = plan.step_rows[method]
+    ex = plan.experts[rows_idx]  # [P, L, K]
+    dev = plan.step_device[method]  # [P, L]
+    rows, activations = step_counts(ex, dev, plan.expert_device[method], offsets, plan.ranks)
+    L = plan.num_layers
+    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex.astype(np.int64)]
     return {
-        "rows": rows,
-        "local": int((ed == dev[..., None]).sum()),
+        "rows": rows.sum(axis=0),
+        "step_rows": rows,
+        "activations_per_rank": activations,
+        "local": int((ed == dev.astype(np.int64)[..., None]).sum()),
         "activations": int(ed.size),
         "tokens": int(len(rows_idx)),
     }
@@ -536,14 +538,16 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
+        from .ep_exchange import EpExchange, send_plan
+
         E, r, dev = self.world, self.rank, self.device
         n, K = ex.shape
         ed = e2d_l[ex]  # [n, K] rank holding each chosen expert
         g = self.gate(gid, layer, K)
         # ---- plan (routing bookkeeping, outside the timed region) ----
-        send_sel = [np.nonzero((ed == d).any(axis=1))[0] if d != r else np.zeros(0, np.int64) for d in range(E)]
-        send_counts = [len(s) for s in send_sel]
-        send_idx = np.concatenate(send_sel).astype(np.int64)
+        send_idx_t, counts_t = send_plan(torch.from_numpy(ed).to(dev), r, E)
+        send_idx = send_idx_t.cpu().numpy()
+        send_counts = counts_t.tolist()
         dst_of_row = np.repeat(np.arange(E), send_counts)
         on_dst = ed[send_idx] == dst_of_row[:, None]
         meta = np.concatenate([np.where(on_dst, ex[send_idx], -1), np.where(on_dst, g[send_idx], 0.0)],
@@ -552,25 +556,20 @@ class _Rank:
         my_experts = np.nonzero(e2d_l == r)[0]
         weights = [self.expert(layer, e) for e in my_experts]
         x = self.inputs(gid, layer)
-        send_idx_t = torch.from_numpy(send_idx).to(dev)
         meta_t = torch.from_numpy(meta).to(dev)
-        counts_t = torch.tensor(send_counts, dtype=torch.int64, device=dev)
         local_ids = torch.from_numpy(np.where(local, ex, -1).astype(np.int64)).to(dev)
         local_w = torch.from_numpy(np.where(local, g, 0.0).astype(np.float32)).to(dev)
         my_experts_t = torch.from_numpy(my_experts.astype(np.int64)).to(dev)
+        xchg = EpExchange(group=None)
         self.barrier()
         self.sync()
         t0 = time.perf_counter()
         # ---- dispatch ----
-        recv_counts_t = torch.empty(E, dtype=torch.int64, device=dev)
-        dist.all_to_all_single(recv_counts_t, counts_t)
-        recv_counts = recv_counts_t.tolist()
-        R = int(sum(recv_counts))
-        meta_recv = torch.empty(R, 2 * K, dtype=torch.float32, device=dev)
-        dist.all_to_all_single(meta_recv, meta_t, recv_counts, send_counts)
+        recv_counts = xchg.exchange_counts(counts_t)
+        meta_recv = xchg.dispatch(meta_t, send_counts, recv_counts, metadata=True)
         x_send = x.index_select(0, send_idx_t)
-        x_recv = torch.empty(R, self.hidden, dtype=self.dtype, device=dev)
-        dist.all_to_all_single(x_recv, x_send, recv_counts, send_counts)
+        x_recv = xchg.dispatch(x_send, send_counts, recv_counts)
+        R = int(sum(recv_counts))
         self.sync()
         t1 = time.perf_counter()
         # ---- experts: own tokens' local experts + received rows ----
@@ -595,8 +594,7 @@ class _Rank:
         self.sync()
         t2 = time.perf_counter()
         # ---- combine: one partial sum back per received row ----
-        back = torch.empty(len(send_idx), self.hidden, dtype=self.dtype, device=dev)
-        dist.all_to_all_single(back, out[n:].to(self.dtype), send_counts, recv_counts)
+        back = xchg.combine(out[n:].to(self.dtype), send_counts, recv_counts)
         result = out[:n]
         result.index_add_(0, send_idx_t, back.float())
         self.sync()
@@ -610,10 +608,11 @@ class _Rank:
             "local": int(local.sum()),
             "activations": int(ed.size),
             "remote_pairs": int(sum(send_counts)),
-            "meta_bytes": (E - 1) * counts_t.element_size() + meta_t.numel() * meta_t.element_size(),
+            "meta_bytes": xchg.counters.metadata_bytes,
         }
-        # sanity: the tensors handed to all_to_all are what the counts say
-        assert x_send.numel() * elem == counts["disp_sent"].sum()
+        # the exchange's own byte count (from the tensors it moved) agrees with the split sizes
+        assert xchg.counters.dispatch_bytes == counts["disp_sent"].sum()
+        assert xchg.counters.combine_bytes == counts["comb_sent"].sum()
         assert x_recv.numel() * elem == counts["disp_recv"].sum()
         return result, counts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
 

@@ -1,0 +1,72 @@
+"""``semmoe cost``: the MoE-layer cost model (:mod:`vllm_semmoe.cost_model`) on real routing.
+
+Every method is solved on the profile split, its data schedule replayed on the rest exactly as
+``bench-ep`` replays it (the same plan), and the per-step dispatch rows and per-rank expert
+work it implies are turned into modelled time on each named hardware set. (``bench-ep``
+checks that the bytes its real all-to-alls move equal these routing-implied counts.)
+"""
+
+from __future__ import annotations
+
+import time
+
+from .offline import DEFAULT_TRACE_HINT, method_list, method_names
+from .output import Progress, add_json_argument, write_json
+
+
+def cmd_cost(args) -> int:
+    from ..bench_ep import analytic_counts, plan_bench_ep
+    from ..cost_model import HARDWARE, MoEShape, cost_table, format_cost_table
+
+    hardware = list(HARDWARE) if args.hardware == "all" else [h.strip() for h in args.hardware.split(",")]
+    unknown = [h for h in hardware if h not in HARDWARE]
+    if unknown:
+        raise ValueError(f"--hardware: unknown {', '.join(unknown)}; choose from all, {', '.join(HARDWARE)}")
+    shape = MoEShape(hidden=args.hidden, expert_intermediate=args.expert_intermediate)
+    start = time.perf_counter()
+    plan = plan_bench_ep(args.trace, args.ep, args.mode, args.method, layers=args.layers,
+                         batch_tokens=args.batch_tokens, max_batches=args.max_batches,
+                         profile_frac=args.profile_frac, seed=args.seed, progress=Progress())
+    counts = {m: analytic_counts(plan, m) for m in plan.methods}
+    table = cost_table(counts, shape, hardware)
+    print(f"cost model: EP {args.ep}, {args.mode.upper()} mode, {plan.num_layers} MoE layers, "
+          f"{counts[plan.methods[0]]['tokens']} tokens in batches of {args.batch_tokens}")
+    print(format_cost_table(table, shape))
+    if args.json:
+        write_json(args.json, {
+            "mode": args.mode, "ep": args.ep, "seed": args.seed, "batch_tokens": args.batch_tokens,
+            "layers": plan.num_layers, "shape": {"hidden": shape.hidden,
+                                                 "expert_intermediate": shape.expert_intermediate},
+            "hardware": {h: vars(HARDWARE[h]) for h in hardware},
+            "methods": {m: {"lar": c["local"] / max(c["activations"], 1),
+                            "dispatch_rows_per_token": float(c["rows"].sum() / max(c["tokens"], 1)),
+                            "solve_s": round(plan.solve_s[m], 3)} for m, c in counts.items()},
+            "cost": table, "wall_s": round(time.perf_counter() - start, 1),
+        })
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Register ``cost`` on the ``semmoe`` sub-parser set."""
+    from ..cost_model import DSV2_LITE, HARDWARE
+
+    p = sub.add_parser("cost", help="modelled MoE-layer time per method on named hardware (cost model)",
+                       description=__doc__)
+    p.add_argument("--trace", required=True, help=f"routing trace .npz (e.g. {DEFAULT_TRACE_HINT})")
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size (default 8)")
+    p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode (default tp)")
+    p.add_argument("--method", default="all", type=method_list,
+                   help=f"'all' or comma-separated of: {', '.join(method_names())} (default all)")
+    p.add_argument("--hardware", default="all",
+                   help=f"'all' or comma-separated of: {', '.join(HARDWARE)} (default all)")
+    p.add_argument("--hidden", type=int, default=DSV2_LITE.hidden,
+                   help=f"model hidden size (default {DSV2_LITE.hidden}, DeepSeek-V2-Lite)")
+    p.add_argument("--expert-intermediate", type=int, default=DSV2_LITE.expert_intermediate,
+                   help=f"routed expert intermediate size (default {DSV2_LITE.expert_intermediate})")
+    p.add_argument("--batch-tokens", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("--max-batches", type=int, default=None, help="replay at most this many steps (default all)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N MoE layers (default all)")
+    p.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split (default 0.2)")
+    p.add_argument("--seed", type=int, default=0, help="split and solver seed (default 0)")
+    add_json_argument(p, "the modelled times")
+    p.set_defaults(func=cmd_cost)

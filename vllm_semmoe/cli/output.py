@@ -1,0 +1,73 @@
+"""Shared output helpers of the ``semmoe`` commands: JSON files, progress bars, table cells.
+
+Every command that prints a table also takes ``--json PATH`` (``-`` = stdout); :func:`add_json_argument`
+declares it and :func:`write_json` writes it, so the two stay the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def add_json_argument(parser, what: str = "the figures") -> None:
+    """Declare ``--json PATH`` on a sub-command's parser."""
+    parser.add_argument("--json", help=f"also write {what} as JSON to this path ('-' = stdout)")
+
+
+def write_json(path: str, payload) -> None:
+    """Write ``payload`` as indented JSON to ``path`` (``-`` = stdout; parent folders are created)."""
+    if path == "-":
+        json.dump(payload, sys.stdout, indent=2)
+        print()
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+class Progress:
+    """``progress(done, total, message)`` callback drawing tqdm bars on stderr.
+
+    Solvers and benchmarks report ``(done, total, message)``; a new ``message`` (or ``total``)
+    starts a new bar, ``done >= total`` closes it. Off a terminal the bar refreshes rarely
+    (every 30 s), so logs get a start and an end line instead of one line per step.
+    """
+
+    def __init__(self, prefix: str = "semmoe", disable: bool = False):
+        self.prefix = prefix
+        self.disable = disable
+        self._bar = None
+        self._key = None
+
+    def __call__(self, done: int, total: int, message: str) -> None:
+        from tqdm import tqdm
+
+        if self.disable:
+            return
+        key = (message, total)
+        if key != self._key:
+            self.close()
+            tty = sys.stderr.isatty()
+            self._bar = tqdm(total=total, desc=f"[{self.prefix}] {message}", file=sys.stderr, leave=True,
+                             dynamic_ncols=True, mininterval=0.1 if tty else 30.0)
+            self._key = key
+        self._bar.n = min(done, total)
+        self._bar.refresh()
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._bar, self._key = None, None
+
+
+def cell(value, width: int, spec: str = ".4f") -> str:
+    """One right-aligned table cell; ``None`` / missing values print as ``-``."""
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{spec}}"

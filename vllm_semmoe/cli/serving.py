@@ -1,0 +1,164 @@
+"""Commands that run vLLM: ``profile`` (capture routing), ``serve`` (vLLM's OpenAI server with the
+plugin), ``bench-serve`` (DP serving benchmark), ``bench-ep`` (EP all-to-all benchmark) and ``demo``
+(the whole pipeline on the embedded model). vLLM is imported only inside the command functions."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .output import add_json_argument, write_json
+
+DEFAULT_SHAREGPT = os.path.join("..", "shared", "data", "text", "sharegpt_4k.jsonl.gz")
+
+#: Options of ``semmoe serve`` that go to the plugin (``--additional-config``), not to ``vllm serve``.
+SERVE_OPTIONS = ("--tables", "--mode", "--capture", "--dp-slack", "--dp-price-step")
+SERVE_FLOAT_OPTIONS = ("dp_slack", "dp_price_step")
+
+
+def _default_model() -> str:
+    from ..assets import tiny_moe_path
+
+    return tiny_moe_path()
+
+
+def cmd_profile(args) -> int:
+    from ..vllm_adapter.workflows import profile
+
+    profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
+            max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from ..vllm_adapter.workflows import demo
+
+    result = demo(args.model or _default_model(), args.dataset, args.workdir, ep_size=args.ep,
+                  profile_prompts=args.profile_prompts, eval_prompts=args.eval_prompts, skip=args.skip,
+                  max_tokens=args.max_tokens)
+    rows = result["methods"]
+    print(f"Sem-MoE demo: {os.path.basename(result['model'])}, EP {result['ep_size']} (simulated on one device), "
+          f"TP mode; profiled {result['profile']['prompts']} ShareGPT prompts, served {result['eval']['prompts']} others")
+    print(f"{'method':<10}{'live_lar':>10}{'predicted_lar':>15}{'live-predicted':>16}{'tokens':>8}")
+    for name, row in rows.items():
+        print(f"{name:<10}{row['live_lar']:>10.4f}{row['predicted_lar']:>15.4f}"
+              f"{row['live_lar'] - row['predicted_lar']:>+16.4f}{row['tokens']:>8}")
+    gain = rows["semmoe"]["live_lar"] / rows["vanilla"]["live_lar"]
+    print(f"Sem-MoE live LAR is {gain:.2f}x vanilla's; finished in {result['wall_s']:.0f} s")
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from ..vllm_adapter.bench_serve import run_bench_serve
+
+    result = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
+                             policy=args.policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                             max_tokens=args.max_tokens, profile_trace=args.profile_trace,
+                             dp_slack=args.dp_slack, dp_price_step=args.dp_price_step)
+    print(f"bench-serve: policy {result['policy']}, DP {result['dp']} + EP, {result['num_prompts']} ShareGPT "
+          f"prompts at concurrency {result['concurrency']}")
+    print(f"  ok {result['ok']}, failed {result['failed']}; live LAR {result['live_lar']:.4f}; "
+          f"prompt tokens per rank {result['rank_prompt_tokens']} (max/mean {result['rank_imbalance']:.3f}); "
+          f"TTFT p50 {result['ttft_p50_s']:.3f} s; throughput {result['throughput_tok_s']:.1f} tok/s")
+    if args.json:
+        write_json(args.json, result)
+    return 0 if result["failed"] == 0 else 1
+
+
+def serve_command(argv: list[str]) -> list[str]:
+    """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]
+    [--dp-slack S] [--dp-price-step P]`` → the
+    ``vllm serve`` command line with ``--additional-config`` carrying the plugin settings."""
+    import json
+
+    rest, semmoe, additional = [], {}, {}
+    it = iter(argv)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        if key in SERVE_OPTIONS:
+            name = key[2:].replace("-", "_")
+            semmoe[name] = value if eq else next(it, None)
+            if semmoe[name] is None:
+                raise SystemExit(f"semmoe serve: {key} needs a value")
+            if name in SERVE_FLOAT_OPTIONS:
+                semmoe[name] = float(semmoe[name])
+        elif key == "--additional-config":
+            additional = json.loads(value if eq else next(it))
+        else:
+            rest.append(arg)
+    if not rest or rest[0].startswith("-"):
+        raise SystemExit("usage: semmoe serve MODEL [vllm serve options] [--tables DIR] [--mode tp|dp|placement-only]")
+    if semmoe:
+        additional = {**additional, "semmoe": {**additional.get("semmoe", {}), **semmoe}}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *rest]
+    if additional:
+        cmd += ["--additional-config", json.dumps(additional)]
+    return cmd
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here)."""
+    from ..vllm_adapter.engine import cpu_defaults
+
+    cmd = serve_command(argv)
+    cpu_defaults()
+    print("[semmoe] " + " ".join(cmd), file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+#: Sub-commands whose raw argument list is handed over unparsed: ``name -> func(argv) -> int``.
+PASSTHROUGH = {"serve": cmd_serve}
+
+
+def add_parsers(sub) -> None:
+    """Register ``profile``, ``serve``, ``bench-serve``, ``bench-ep`` and ``demo``."""
+    p = sub.add_parser("profile", help="capture live routing of prompts through vLLM into a trace")
+    p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
+    p.add_argument("--dataset", required=True, help="ShareGPT or MMLU .jsonl(.gz), or plain text (.gz)")
+    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--skip", type=int, default=0, help="skip this many prompts of the dataset first")
+    p.add_argument("--out", required=True, help="routing trace .npz to write")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--tables", help="also apply this placement while profiling")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("serve", help="vLLM's OpenAI server with the plugin: semmoe serve MODEL [vllm args] --tables DIR",
+                       add_help=False)
+    p.set_defaults(func=None)
+
+    p = sub.add_parser("bench-serve", help="DP serving benchmark: Sem-MoE vs vLLM request routing")
+    p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
+    p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel size (expert parallel over all ranks)")
+    p.add_argument("--policy", choices=("semmoe", "vllm"), default="semmoe")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
+    p.add_argument("--dp-slack", type=float, default=None, help="semmoe: queue-score guard slack (requests)")
+    p.add_argument("--dp-price-step", type=float, default=None, help="semmoe: token-balance price step")
+    p.add_argument("--workdir", default=os.path.join("out", "bench_serve"))
+    add_json_argument(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+    from ..bench_ep import add_bench_ep_arguments, cmd_bench_ep
+
+    p = sub.add_parser("bench-ep", help="EP MoE-layer all-to-all benchmark replaying real routing (torch.distributed)")
+    add_bench_ep_arguments(p)
+    p.set_defaults(func=cmd_bench_ep)
+
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded model: profile, solve, serve, live vs predicted LAR")
+    p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
+    p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
+    p.add_argument("--ep", type=int, default=8)
+    p.add_argument("--profile-prompts", type=int, default=300)
+    p.add_argument("--eval-prompts", type=int, default=100)
+    p.add_argument("--skip", type=int, default=3000, help="first prompt used (the tiny model never trained on 3000+)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--workdir", default=os.path.join("out", "demo"))
+    add_json_argument(p)
+    p.set_defaults(func=cmd_demo)
