@@ -213,3 +213,63 @@ def test_refused_server_start_is_one_line(tmp_path, tiny_tables):
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [l for l in result.stderr.splitlines() if l.startswith("semmoe: error:")]
     assert len(errors) == 1 and "mode 'dp' routes requests over data-parallel ranks" in errors[0], result.stderr[-3000:]
+
+
+# ---- help --------------------------------------------------------------------------------------
+def _subcommands():
+    from vllm_semmoe.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return {name: p for name, p in sub.choices.items() if name != "serve"}
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_option_has_help_and_shows_its_default(capsys, command):
+    parser = _subcommands()[command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also at hyphens
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        option = action.option_strings[0]
+        assert action.help, f"semmoe {command} {option} has no help text"
+        assert option in text
+        if action.required:
+            assert "".join(f"{action.help} (required)".split()) in text, option
+        elif action.default is not None and action.default is not False:
+            shown = "".join(parser.formatter_class("x")._get_help_string(action).split()) % {"default": action.default}
+            assert shown in text and "default" in shown, (option, shown)
+
+
+def test_serve_help_lists_its_options_and_points_to_vllm():
+    result = subprocess.run([sys.executable, "-m", "vllm_semmoe.cli", "serve", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for option, default in (("--tables DIR", None), ("--mode", "(default: placement-only)"), ("--capture PATH", None),
+                            ("--dp-slack S", "(default: 8.0)"), ("--dp-price-step P", "(default: 0.1)")):
+        assert option in text and (default is None or default in text), option
+    assert "`vllm serve --help`" in text and "python -m vllm.entrypoints.cli.main serve --help" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["M", "--dp-slack", "abc"], "semmoe serve: --dp-slack expects a number, got 'abc'"),
+    (["M", "--dp-price-step=x"], "semmoe serve: --dp-price-step expects a number, got 'x'"),
+    (["M", "--mode", "ep"], "semmoe serve: --mode must be one of placement-only, tp, dp, got 'ep'"),
+    (["M", "--tables"], "semmoe serve: --tables needs a value"),
+    (["M", "--additional-config", "{oops"], "semmoe serve: --additional-config must be a JSON object, got '{oops'"),
+])
+def test_serve_option_errors_are_one_line(argv, message):
+    from vllm_semmoe.cli import serve_command
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_command(argv)
+    assert str(exit_info.value.code) == message
+
+
+def test_demo_checks_ep_before_profiling(capsys):
+    line = _cli_error(capsys, ["demo", "--ep", "3"])
+    assert line == "semmoe: error: --ep 3 does not divide the 32 experts per layer evenly; choose one of 1, 2, 4, 8, 16, 32"
