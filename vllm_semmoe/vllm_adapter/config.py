@@ -23,7 +23,9 @@ class SemMoEConfig:
 
     Attributes:
         tables: directory written by ``semmoe solve`` (``None``: no re-placement).
-        capture: path of the routing trace ``.npz`` to write (``None``: no capture).
+        capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
+            every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
+            :func:`vllm_semmoe.trace.load_trace` reads it as one trace.
         mode: ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data
             the Sem-MoE way and meter live LAR accordingly).
         dp_slack: ``dp`` mode balance guard: never choose a rank whose queue score (vLLM's:

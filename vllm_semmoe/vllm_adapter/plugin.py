@@ -379,9 +379,9 @@ def _tp_rank() -> int:
 
 
 def flush_capture(runner_or_worker) -> dict:
-    """Drain the pending routing to the capture (rank 0 of its TP group) and return the live
-    metrics. The capture is durable without it (the recorder drains every second); this makes
-    it complete up to now.
+    """Return the live metrics (steps, live LAR, TP-shuffle counters) and write them beside the
+    capture (``X.npz.json``, rank 0 of its TP group). The capture itself needs no flush: engines
+    append every step to it as the step ends.
 
     Accepts a model runner or a vLLM worker, so ``LLM.collective_rpc(flush_capture)`` works.
     """
