@@ -20,6 +20,8 @@ setup(
         "numba>=0.58",
         "highspy>=1.7",
         "torch>=2.4",
+        "tqdm>=4.60",  # progress bars (vLLM uses it too)
+        "matplotlib>=3.7",  # semmoe report
     ],
     extras_require={
         # vLLM's CPU build; never depend on the CUDA `vllm` wheel unconditionally.

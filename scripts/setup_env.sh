@@ -15,6 +15,14 @@ PY=${PYTHON:-python3}
 stamp_key() {
   cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1
 }
+# Debian's Chromium: tests/test_report.py opens `semmoe report`'s page in it (headless).
+# Installed only if missing, only where apt-get can (root); otherwise that test says it skipped.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+  echo "[setup] installing Debian's chromium (headless report test)" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+    >/dev/null || echo "[setup] could not install chromium; the report's browser test will skip" >&2
+fi
+
 STAMP="$VENV/.semmoe-setup-stamp"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]]; then
   exit 0

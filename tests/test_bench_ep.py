@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from vllm_semmoe import bench_ep
-from vllm_semmoe.bench_ep import (BenchEPError, add_bench_ep_arguments, analytic_counts, cmd_bench_ep,
-                                  format_bench_ep, plan_bench_ep, run_bench_ep)
+from vllm_semmoe.bench_ep import BenchEPError, analytic_counts, format_bench_ep, plan_bench_ep, run_bench_ep
+from vllm_semmoe.bench_ep.plan import _first_layers
+from vllm_semmoe.cli.bench import add_bench_ep_arguments, cmd_bench_ep
 from vllm_semmoe.evaluate import EvalConfig, compare_methods
 from vllm_semmoe.trace import TraceError
 
@@ -158,7 +159,7 @@ def test_no_rank_process_left(tp2, dp4, tp4):
 
 def test_plan_lar_equals_offline_evaluation(dev_trace):
     """With all batches, the benchmark's schedule is evaluate's: same LAR to the last activation."""
-    trace = bench_ep._first_layers(dev_trace.select_requests(np.arange(120)), 3)
+    trace = _first_layers(dev_trace.select_requests(np.arange(120)), 3)
     methods = ["vanilla", "semmoe"]
     for mode in ("tp", "dp"):
         plan = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128)

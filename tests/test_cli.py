@@ -74,3 +74,16 @@ def test_methods_come_from_the_policy_registry(trace_file, tmp_path, monkeypatch
     out = tmp_path / "e.json"
     assert main(["eval", "--profile", str(trace_file), "--ep", "4", "--method", "vanilla,mine", "--json", str(out)]) == 0
     assert set(json.loads(out.read_text())["methods"]) == {"vanilla", "mine"}
+
+
+def test_progress_bars_off_a_terminal_write_a_start_and_an_end(capsys):
+    """tqdm bars: a new message starts a new bar; off a terminal no per-step redraws flood logs."""
+    from vllm_semmoe.cli.output import Progress
+
+    progress = Progress("semmoe")
+    for i in range(1, 201):
+        progress(i, 200, "co-clustering")
+    progress(3, 3, "tables")
+    err = capsys.readouterr().err
+    lines = err.replace("\r", "\n").split("\n")
+    assert sum("co-clustering" in line for line in lines) == 2 and "200/200" in err and "3/3" in err

@@ -59,13 +59,31 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
     activations = counts.size // E * trace.top_k
     expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
-    return {
+    out = {
         "lar": float(local.sum() / activations),
         "lar_token": float((local > 0).mean()),
         "oracle_lar": float(oracle / activations),
         "imbalance": float(imbalance),
         "expert_imbalance": float((expert_load.max(axis=1) / expert_load.mean(axis=1)).mean()),
+        "lar_per_layer": (local.sum(axis=0) / (trace.num_tokens * trace.top_k)).tolist(),  # [L]
     }
+    if config.mode == "dp":
+        out["rank_load_curve"] = rank_load_curve(rank, np.diff(trace.offsets), E)
+    return out
+
+
+def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points: int = 50) -> dict:
+    """DP per-rank load over time: cumulative prompt tokens per rank after request ``i``.
+
+    Args: ``rank`` ``[R]`` rank of each request (arrival order), ``lengths`` ``[R]`` its tokens.
+    Returns ``{"requests": [P] request counts, "tokens": [P, E] cumulative tokens per rank}``
+    at ``P <= points`` evenly spaced requests (for plots; the last point is the total).
+    """
+    per_rank = np.zeros((len(rank), ep_size), np.int64)
+    per_rank[np.arange(len(rank)), rank] = lengths
+    cumulative = per_rank.cumsum(axis=0)
+    at = np.unique(np.linspace(0, len(rank) - 1, min(points, len(rank))).round().astype(np.int64))
+    return {"requests": (at + 1).tolist(), "tokens": cumulative[at].tolist()}
 
 
 def _tp_devices(trace, counts, tables, ep_size, batch_tokens):

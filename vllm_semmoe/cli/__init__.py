@@ -3,6 +3,8 @@
 - :mod:`.offline` — ``analyze``, ``solve``, ``eval`` (no vLLM);
 - :mod:`.costs` — ``cost`` (the MoE-layer cost model on real routing, no vLLM);
 - :mod:`.serving` — ``profile``, ``serve``, ``bench-serve``, ``bench-ep``, ``demo`` (vLLM);
+- :mod:`.interop` — ``import`` (vLLM / SGLang routing), ``export`` (SGLang / vLLM placement files),
+  ``report`` (HTML page with figures);
 - :mod:`.output` — JSON writing, progress bars, table cells shared by all commands.
 
 Each concern module has ``add_parsers(sub)``; a new command is added in its module and, for a new
@@ -15,14 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import costs, offline, serving
+from . import costs, interop, offline, serving
 from .offline import (COLUMNS, DEFAULT_TRACE_HINT, format_affinity_comparison, format_affinity_table,
                       format_eval_table, method_names)
 from .output import DefaultsHelpFormatter, write_json
 from .serving import DEFAULT_SHAREGPT, serve_command
 
 #: The modules whose ``add_parsers(sub)`` make up ``semmoe``'s sub-commands, in help order.
-COMMAND_MODULES = (offline, costs, serving)
+COMMAND_MODULES = (offline, costs, serving, interop)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,15 +106,36 @@ def cmd_solve(args) -> int:
     trace = load_trace(args.trace)
     profile = trace.split(args.profile_frac, args.seed)[0] if args.profile_frac else trace
     start = time.perf_counter()
-    placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed, progress=Progress())
+    if args.placement:
+        placement = placement_from_file(args, profile)
+    else:
+        placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed,
+                                                  progress=Progress())
     solve_s = time.perf_counter() - start
     tables = build_tables(profile, placement, mode=args.mode)
     tables.save(args.out)
     print(
-        f"{args.method} placement for {placement.num_layers} layers x {placement.num_experts} experts "
+        f"{placement.method} placement for {placement.num_layers} layers x {placement.num_experts} experts "
         f"on EP {args.ep} ({args.mode} mode) solved in {solve_s:.1f} s; tables in {args.out}"
     )
+    if args.json:
+        write_json(args.json, dict(tables.manifest(), solve_s=solve_s, out=args.out,
+                                   profile_requests=profile.num_requests, profile_tokens=profile.num_tokens))
     return 0
+
+
+def placement_from_file(args, profile):
+    """``solve --placement FILE``: an engine's static layout (what ``semmoe export`` writes, or
+    SGLang's / vLLM's own EPLB output) instead of a solver's, checked against the trace's shape."""
+    from ..interop import load_placement_file
+    from ..placement import PlacementError
+
+    loaded = load_placement_file(args.placement, args.ep, dense_layers=args.dense_layers,
+                                 num_experts=profile.num_experts)
+    if loaded.p2l.shape[0] != profile.num_layers:
+        raise PlacementError(f"{args.placement}: {loaded.p2l.shape[0]} MoE layers but the trace has "
+                             f"{profile.num_layers}; SGLang files count dense layers too (--dense-layers)")
+    return loaded.placement(method=f"{loaded.fmt}-file")
 
 
 # ---- eval --------------------------------------------------------------------------------------
@@ -165,6 +186,11 @@ def add_parsers(sub) -> None:
                    help="profile only on this seeded fraction of the requests (default: all)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed")
     p.add_argument("--out", required=True, help="output directory for tables.npz + manifest.json")
+    p.add_argument("--placement", help="take the placement from this SGLang --init-expert-location or vLLM "
+                                       "offline-EPLB file instead of solving (--method is then ignored)")
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="with an SGLang --placement file: leading model layers without experts to skip")
+    add_json_argument(p, "the tables' manifest and solve time")
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("eval", help="compare placements and schedules on held-out routing")

@@ -32,15 +32,28 @@ def add_json_argument(parser, what: str = "the figures") -> None:
     parser.add_argument("--json", help=f"also write {what} as JSON to this path ('-' = stdout)")
 
 
+def _jsonable(value):
+    """``json.dump`` fallback: NumPy scalars/arrays and paths as plain values."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def write_json(path: str, payload) -> None:
     """Write ``payload`` as indented JSON to ``path`` (``-`` = stdout; parent folders are created)."""
     if path == "-":
-        json.dump(payload, sys.stdout, indent=2)
+        json.dump(payload, sys.stdout, indent=2, default=_jsonable)
         print()
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, indent=2, default=_jsonable)
         f.write("\n")
     print(f"wrote {path}", file=sys.stderr)
 
@@ -71,8 +84,9 @@ class Progress:
             self._bar = tqdm(total=total, desc=f"[{self.prefix}] {message}", file=sys.stderr, leave=True,
                              dynamic_ncols=True, mininterval=0.1 if tty else 30.0)
             self._key = key
-        self._bar.n = min(done, total)
-        self._bar.refresh()
+        step = min(done, total) - self._bar.n
+        if step > 0:
+            self._bar.update(step)  # redraws at most every mininterval
         if done >= total:
             self.close()
 

@@ -57,8 +57,10 @@ def _default_model() -> str:
 def cmd_profile(args) -> int:
     from ..vllm_adapter.workflows import profile
 
-    profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
-            max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables)
+    summary = profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
+                      max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables)
+    if args.json:
+        write_json(args.json, dict(summary or {}, out=args.out))
     return 0
 
 
@@ -194,6 +196,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
     p.add_argument("--max-model-len", type=int, default=512, help="vLLM context length")
     p.add_argument("--tables", help="also apply this placement while profiling")
+    add_json_argument(p, "the run summary")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("serve", help="vLLM's OpenAI server with the plugin: semmoe serve MODEL [vllm args] --tables DIR",
@@ -218,7 +221,7 @@ def add_parsers(sub) -> None:
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)
 
-    from ..bench_ep import add_bench_ep_arguments, cmd_bench_ep
+    from .bench import add_bench_ep_arguments, cmd_bench_ep
 
     p = sub.add_parser("bench-ep", help="EP MoE-layer all-to-all benchmark replaying real routing (torch.distributed)")
     add_bench_ep_arguments(p)

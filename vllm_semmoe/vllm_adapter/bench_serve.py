@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+from tqdm import tqdm
 
 from ..policy import get_policy
 from ..prompts import load_prompts
@@ -110,7 +111,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
             _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                results = list(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts))
+                results = list(tqdm(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts),
+                                    total=len(prompts), desc=f"[bench-serve] {policy} requests", file=sys.stderr))
             wall = time.perf_counter() - start
             time.sleep(1.0)  # let the engines finish writing their counters
         finally:

@@ -1,0 +1,186 @@
+"""Planning (parent process): solve every method on the profile split and lay out, per method,
+the token rows of every step and the rank of each token at each layer; and what that routing
+implies without running anything (:func:`analytic_counts`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cost_model import step_counts
+
+DEFAULT_METHODS = ("vanilla", "eplb", "semmoe")
+
+
+@dataclass
+class BenchPlan:
+    """What every rank replays: the tokens of every batch and the rank of each per layer.
+
+    Attributes:
+        mode, ranks: serving mode and EP size.
+        experts: ``[M, L, K]`` routed expert ids of every token used by any method.
+        token_gid: ``[M]`` index of each of those tokens in the evaluation trace (seeds its
+            hidden state and gate weights).
+        methods: method names, in run order.
+        expert_device: method → ``[L, N]`` placement.
+        step_rows: method → ``(rows [P], offsets [S+1])``: rows of ``experts`` in batch ``s``.
+        step_device: method → ``[P, L]`` int16 rank of each batch row per layer.
+        eval_tokens, profile_tokens: sizes of the split.
+        solve_s: method → seconds to solve its placement.
+    """
+
+    mode: str
+    ranks: int
+    experts: np.ndarray
+    token_gid: np.ndarray
+    methods: list
+    expert_device: dict = field(default_factory=dict)
+    step_rows: dict = field(default_factory=dict)
+    step_device: dict = field(default_factory=dict)
+    eval_tokens: int = 0
+    profile_tokens: int = 0
+    solve_s: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[2]
+
+    def num_steps(self, method: str) -> int:
+        return len(self.step_rows[method][1]) - 1
+
+
+def _as_trace(trace):
+    from ..trace import RoutingTrace, load_trace
+
+    return trace if isinstance(trace, RoutingTrace) else load_trace(trace)
+
+
+def _first_layers(trace, layers):
+    from ..trace import RoutingTrace
+
+    if layers is None or layers >= trace.num_layers:
+        return trace
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    return RoutingTrace.from_arrays(
+        trace.tokens, trace.experts[:, :layers], trace.offsets, vocab=trace.vocab,
+        vocab_size=trace.vocab_size, num_experts=trace.num_experts, request_ids=trace.request_ids,
+        is_decode=trace.is_decode,
+    )
+
+
+def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None = None,
+                  batch_tokens: int = 512, max_batches: int | None = None, profile_frac: float = 0.2,
+                  seed: int = 0, progress=None) -> BenchPlan:
+    """Solve every method on the profile part of ``trace`` and schedule the rest.
+
+    ``trace`` is a path or a :class:`~vllm_semmoe.trace.RoutingTrace`; ``layers`` keeps the
+    first that many MoE layers (before solving). Deterministic for a seed.
+    """
+    from .. import evaluate as ev
+    from ..policy import get_policy
+    from ..tables import build_tables, device_counts
+
+    if mode not in ("tp", "dp"):
+        raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    methods = list(methods)
+    if not methods:
+        raise ValueError("no methods given")
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    full = _first_layers(_as_trace(trace), layers)
+    if full.num_experts % ranks:
+        raise ValueError(f"{full.num_experts} experts cannot be split evenly over {ranks} ranks")
+    profile, rest = full.split(profile_frac, seed)
+    E = ranks
+    plan_rows, plan_dev, e2d, solve_s = {}, {}, {}, {}
+    if mode == "tp":
+        n_tok = rest.num_tokens if max_batches is None else min(rest.num_tokens, max_batches * batch_tokens)
+        n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))  # requests covering n_tok tokens
+        sub = rest.select_requests(np.arange(max(n_req, 1)))
+        starts = np.arange(0, n_tok, batch_tokens)
+        offsets = np.append(starts, n_tok).astype(np.int64)
+    for i, name in enumerate(methods):
+        if progress:
+            progress(i, len(methods), f"solving {name}")
+        start = time.perf_counter()
+        placement = get_policy(name).solve(profile, ranks, mode=mode, seed=seed)
+        solve_s[name] = time.perf_counter() - start
+        tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
+        e2d[name] = placement.expert_device.astype(np.int16)
+        if mode == "tp":
+            counts = device_counts(sub.experts, placement.expert_device, E)
+            device, _ = ev._tp_devices(sub, counts, tables, E, batch_tokens)
+            plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
+            plan_dev[name] = device[:n_tok].astype(np.int16)
+        else:
+            rank, _ = ev._dp_ranks(rest, tables, E, ev.EvalConfig(mode="dp", batch_tokens=batch_tokens))
+            plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches)
+    if progress:
+        progress(len(methods), len(methods), "solving")
+    used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
+    source = rest if mode == "dp" else sub
+    plan = BenchPlan(mode=mode, ranks=ranks, experts=np.ascontiguousarray(source.experts[used]).astype(np.int16),
+                     token_gid=used, methods=methods, expert_device=e2d, solve_s=solve_s,
+                     eval_tokens=rest.num_tokens, profile_tokens=profile.num_tokens)
+    for m in methods:
+        rows, off = plan_rows[m]
+        plan.step_rows[m] = (np.searchsorted(used, rows).astype(np.int64), off)
+        plan.step_device[m] = np.ascontiguousarray(plan_dev[m])
+    return plan
+
+
+def _dp_steps(trace, rank, ranks, batch_tokens, max_batches):
+    """Lock-stepped DP batches: each rank takes ``ceil(batch_tokens/E)`` tokens of its queue."""
+    from ..scheduling import slice_capacity
+
+    L = trace.num_layers
+    cap = slice_capacity(batch_tokens, ranks)
+    token_rank = np.repeat(rank, np.diff(trace.offsets))
+    queues = [np.nonzero(token_rank == r)[0] for r in range(ranks)]  # arrival order
+    steps = max(-(-len(q) // cap) for q in queues)
+    if max_batches is not None:
+        steps = min(steps, max_batches)
+    rows, dev, offsets = [], [], [0]
+    for s in range(steps):
+        for r, q in enumerate(queues):
+            part = q[s * cap:(s + 1) * cap]
+            rows.append(part)
+            dev.append(np.full((len(part), L), r, np.int16))
+        offsets.append(offsets[-1] + sum(len(q[s * cap:(s + 1) * cap]) for q in queues))
+    return (np.concatenate(rows).astype(np.int64), np.asarray(offsets, np.int64)), np.concatenate(dev)
+
+
+def analytic_counts(plan: BenchPlan, method: str) -> dict:
+    """What the routing implies, without running anything.
+
+    Returns ``rows [L, E, E]`` (rows each source rank must dispatch to each other rank:
+    tokens with at least one expert there; ``step_rows [S, L, E, E]`` per step),
+    ``activations_per_rank [S, L, E]`` ((token, expert) pairs each rank computes), ``local`` /
+    ``activations`` (local and all (token, layer, expert) activations), ``tokens``
+    (token-batches, counted once per batch). Counted by :func:`.cost_model.step_counts`.
+    """
+    rows_idx, offsets = plan.step_rows[method]
+    ex = plan.experts[rows_idx]  # [P, L, K]
+    dev = plan.step_device[method]  # [P, L]
+    rows, activations = step_counts(ex, dev, plan.expert_device[method], offsets, plan.ranks)
+    L = plan.num_layers
+    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex.astype(np.int64)]
+    return {
+        "rows": rows.sum(axis=0),
+        "step_rows": rows,
+        "activations_per_rank": activations,
+        "local": int((ed == dev.astype(np.int64)[..., None]).sum()),
+        "activations": int(ed.size),
+        "tokens": int(len(rows_idx)),
+    }

@@ -1,0 +1,411 @@
+"""``semmoe report``: one HTML page with figures from the JSON the other commands wrote.
+
+Reads every ``*.json`` under ``--from`` and every tables directory (``manifest.json`` of
+``semmoe solve``), recognises each by its keys, and draws (matplotlib, PNG files beside
+``index.html``; the page has no external resources):
+
+=====================  =================================================  ============================
+figure                 input                                              keys it needs
+=====================  =================================================  ============================
+LAR per layer          ``semmoe eval --json``                             ``methods.*.lar_per_layer``
+affinity evidence      ``semmoe analyze --json``                          ``layers[*].f1/topk_mass``
+placement map          tables directory (``semmoe solve --out``)          ``tables.npz: expert_device``
+DP rank load           ``semmoe eval --mode dp --json``                   ``methods.*.rank_load_curve``
+                       ``semmoe bench-serve --json``                      ``rank_prompt_tokens``
+bytes per token        ``semmoe bench-ep --json``                         ``methods.*.bytes_per_token``
+modelled MoE time      ``semmoe cost --json``                             ``cost.<hw>.<method>.*_us``
+=====================  =================================================  ============================
+
+A figure whose input is absent is skipped, and the page says which and why. The page's one
+inline script marks the figure check (``#figure-check``): how many ``<img>`` decoded.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import time
+
+import numpy as np
+
+DPI = 110
+
+
+class ReportError(ValueError):
+    """``semmoe report`` has nothing to read, or cannot write its output."""
+
+
+# ---- finding inputs ------------------------------------------------------------------------
+def _is_eval(d) -> bool:
+    rows = d.get("methods") if isinstance(d, dict) else None
+    return (isinstance(rows, dict) and "mode" in d and "ep" in d and rows
+            and all(isinstance(r, dict) and "lar" in r and "oracle_lar" in r for r in rows.values()))
+
+
+def _is_analyze(d) -> bool:
+    return isinstance(d, dict) and isinstance(d.get("layers"), list) and bool(d["layers"]) \
+        and isinstance(d["layers"][0], dict) and "f1" in d["layers"][0]
+
+
+def _is_bench_ep(d) -> bool:
+    rows = d.get("methods") if isinstance(d, dict) else None
+    return isinstance(rows, dict) and bool(rows) and all(
+        isinstance(r, dict) and "bytes_per_token" in r for r in rows.values())
+
+
+def _is_bench_serve(d) -> bool:
+    return isinstance(d, dict) and "rank_prompt_tokens" in d and "policy" in d
+
+
+def _is_cost(d) -> bool:
+    cost = d.get("cost") if isinstance(d, dict) else None
+    return isinstance(cost, dict) and bool(cost) and all(
+        isinstance(rows, dict) and all(isinstance(r, dict) and "total_us" in r for r in rows.values())
+        for rows in cost.values())
+
+
+def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
+    """``{"eval": [(name, data)], "analyze": [...], "bench_ep": [...], "bench_serve": [...],
+    "cost": [...], "tables": [(name, path)]}`` found under ``from_dir`` (sorted by path)."""
+    if not os.path.isdir(from_dir):
+        raise ReportError(f"--from {from_dir}: not a directory")
+    found = {k: [] for k in ("eval", "analyze", "bench_ep", "bench_serve", "cost", "tables")}
+    skip = os.path.abspath(skip_dir) if skip_dir else None
+    for root, dirs, files in os.walk(from_dir):
+        dirs[:] = sorted(d for d in dirs if os.path.abspath(os.path.join(root, d)) != skip)
+        rel = os.path.relpath(root, from_dir)
+        if "manifest.json" in files and "tables.npz" in files:
+            found["tables"].append((rel, root))
+            continue
+        for name in sorted(files):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(root, name)
+            label = os.path.normpath(os.path.join(rel, name))
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue  # not ours / not JSON: nothing to draw
+            if _is_eval(data):
+                found["eval"].append((label, data))
+            elif _is_analyze(data):
+                found["analyze"].append((label, data))
+            elif isinstance(data, dict) and data and all(_is_analyze(v) for v in data.values()):
+                found["analyze"] += [(f"{label}: {os.path.basename(k)}", v) for k, v in data.items()]
+            elif _is_cost(data):
+                found["cost"].append((label, data))
+            elif _is_bench_ep(data):
+                found["bench_ep"].append((label, data))
+            elif _is_bench_serve(data):
+                found["bench_serve"].append((label, data))
+    return found
+
+
+# ---- figures (each returns the matplotlib figure) ------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_lar_per_layer(data: dict):
+    """Lines: LAR of every method at every MoE layer (``lar_per_layer`` ``[L]`` per method)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, row in data["methods"].items():
+        values = row["lar_per_layer"]
+        ax.plot(np.arange(len(values)), values, marker="o", ms=3, label=f"{name} ({row['lar']:.3f})")
+    ax.axhline(1.0 / data["ep"], color="grey", ls=":", lw=1, label=f"1/EP = {1.0 / data['ep']:.3f}")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("local activation rate")
+    ax.set_title(f"LAR per layer, EP {data['ep']}, {data['mode'].upper()} mode ({data.get('eval_tokens', '?')} tokens)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    return fig
+
+
+def figure_affinity(reports: list[tuple[str, dict]]):
+    """Per layer, median (p25-p75 band) of F1 top-k and top-k mass over frequent tokens."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for label, r in reports:
+        layers = [row["layer"] for row in r["layers"]]
+        for ax, key in zip(axes, ("f1", "topk_mass")):
+            q = np.array([row[key] for row in r["layers"]], float)  # [L, 3]: p25, p50, p75
+            line, = ax.plot(layers, q[:, 1], marker="o", ms=3, label=r.get("trace", label))
+            ax.fill_between(layers, q[:, 0], q[:, 2], color=line.get_color(), alpha=0.2)
+        shape = r.get("shape")
+        if shape:
+            for ax in axes:
+                ax.axhline(shape["top_k"] / shape["experts"], color=line.get_color(), ls=":", lw=1)
+    axes[0].set_title("F1 of a token's usual top-k (leave-one-out)")
+    axes[1].set_title("share of a token's routing on its top-k")
+    for ax in axes:
+        ax.set_xlabel("MoE layer")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("median over frequent tokens (band: p25-p75)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("token→expert affinity per layer (dotted: no-affinity level k/N)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_placement(expert_device: np.ndarray, title: str):
+    """Layer × expert map coloured by the device holding each expert."""
+    plt = _plt()
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    L, N = expert_device.shape
+    E = int(expert_device.max()) + 1
+    base = plt.get_cmap("tab20" if E > 10 else "tab10")
+    cmap = ListedColormap([base(i % base.N) for i in range(E)])
+    fig, ax = plt.subplots(figsize=(min(14, 3 + N * 0.12), min(8, 1.5 + L * 0.2)))
+    im = ax.imshow(expert_device, aspect="auto", interpolation="nearest", cmap=cmap,
+                   norm=BoundaryNorm(np.arange(E + 1) - 0.5, E))
+    ax.set_xlabel("logical expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title(title)
+    cbar = fig.colorbar(im, ax=ax, ticks=np.arange(E))
+    cbar.set_label("device")
+    fig.tight_layout()
+    return fig
+
+
+def figure_rank_load(curves: dict, ep: int, title: str):
+    """Cumulative prompt tokens per DP rank over the requests, one panel per method."""
+    plt = _plt()
+    cols = min(3, len(curves))
+    rows = -(-len(curves) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows + 0.5), sharey=True, squeeze=False)
+    for ax in axes.flat[len(curves):]:
+        ax.set_visible(False)
+    for ax, (name, curve) in zip(axes.flat, curves.items()):
+        tokens = np.asarray(curve["tokens"], float)  # [P, E]
+        for r in range(tokens.shape[1]):
+            ax.plot(curve["requests"], tokens[:, r], lw=1)
+        spread = tokens[-1].max() / max(tokens[-1].mean(), 1e-9)
+        ax.set_title(f"{name}: max/mean {spread:.3f}", fontsize=9)
+        ax.set_xlabel("requests routed")
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel(f"prompt tokens per rank ({ep} ranks)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_bench_serve(runs: list[tuple[str, dict]]):
+    """Prompt tokens each DP rank served, per bench-serve run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(runs)
+    for i, (label, r) in enumerate(runs):
+        x = np.arange(len(r["rank_prompt_tokens"])) + i * width
+        ax.bar(x, r["rank_prompt_tokens"], width, label=f"{r['policy']} (max/mean {r['rank_imbalance']:.3f}, "
+                                                        f"live LAR {r['live_lar']:.3f})")
+    ranks = max(len(r["rank_prompt_tokens"]) for _, r in runs)
+    ax.set_xticks(np.arange(ranks) + width * (len(runs) - 1) / 2, [str(i) for i in range(ranks)])
+    ax.set_xlabel("DP rank")
+    ax.set_ylabel("prompt tokens served")
+    ax.set_title("bench-serve: DP per-rank load")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def figure_bytes(runs: list[tuple[str, dict]]):
+    """All-to-all bytes per token per method (bench-ep, and bench-serve when it reports them)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels, values = [], []
+    for label, r in runs:
+        for name, row in r["methods"].items():
+            labels.append(f"{name}\n{r.get('mode', '')} {label}")
+            values.append(row["bytes_per_token"] / 1024)
+    bars = ax.bar(np.arange(len(values)), values, color=[f"C{i % 10}" for i in range(len(values))])
+    ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    ax.set_xticks(np.arange(len(values)), labels, fontsize=7)
+    ax.set_ylabel("KiB per token (dispatch + combine)")
+    ax.set_title("bench-ep: all-to-all bytes per token")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+COST_PARTS = ("dispatch_us", "experts_us", "combine_us")
+
+
+def figure_cost(data: dict):
+    """Modelled MoE time per token, stacked dispatch / experts / combine, per hardware and method."""
+    plt = _plt()
+    cost = data["cost"]
+    fig, axes = plt.subplots(1, len(cost), figsize=(4.2 * len(cost), 3.6), squeeze=False)
+    for ax, (hw, rows) in zip(axes[0], cost.items()):
+        names = list(rows)
+        bottom = np.zeros(len(names))
+        for part in COST_PARTS:
+            vals = np.array([rows[m].get(part, 0.0) for m in names], float)
+            ax.bar(names, vals, bottom=bottom, label=part.removesuffix("_us"))
+            bottom += vals
+        ax.set_title(hw, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("µs per token (all MoE layers)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"cost model: EP {data.get('ep', '?')}, {str(data.get('mode', '')).upper()} mode", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- tables --------------------------------------------------------------------------------
+def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}") -> str:
+    """``{row name: {column: value}}`` → an HTML table (numbers formatted, lists left out)."""
+    if columns is None:
+        columns = []
+        for row in rows.values():
+            columns += [c for c, v in row.items() if isinstance(v, (int, float)) and c not in columns]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = []
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            v = row.get(c)
+            cells.append("<td>-</td>" if v is None else
+                         f"<td>{fmt.format(v) if isinstance(v, float) else html.escape(str(v))}</td>")
+        body.append(f"<tr><th>{html.escape(str(name))}</th>{''.join(cells)}</tr>")
+    return f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>"
+
+
+# ---- page ----------------------------------------------------------------------------------
+def _slug(label: str) -> str:
+    """A file-name part from an input's path relative to ``--from`` (``eval_tp.json`` → ``eval_tp``)."""
+    stem = label[:-5] if label.endswith(".json") else label
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)
+
+
+_STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
+figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
+table{border-collapse:collapse;font-size:.8em;margin:.5em 0}td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}
+.skipped{color:#a60}#figure-check{font-size:.85em;color:#555}"""
+
+_CHECK = """<script>
+window.addEventListener("load", function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  var el = document.getElementById("figure-check");
+  el.dataset.loaded = ok.length; el.dataset.total = imgs.length;
+  el.textContent = ok.length === imgs.length ? "all " + imgs.length + " figures loaded"
+    : (imgs.length - ok.length) + " of " + imgs.length + " figures did not load: keep the PNG files beside this page";
+});
+</script>"""
+
+
+def build_report(from_dir: str, out_dir: str) -> dict:
+    """Write ``out_dir/index.html`` and its PNG figures from what :func:`collect_inputs` finds.
+
+    Returns ``{"html": path, "figures": [{"file", "title", "source"}], "skipped": [reason]}``.
+    """
+    from .tables import load_tables
+
+    plt = _plt()
+    found = collect_inputs(from_dir, skip_dir=out_dir)
+    if not any(found.values()):
+        raise ReportError(f"--from {from_dir}: no JSON written by semmoe eval/analyze/cost/bench-ep/bench-serve "
+                          "and no tables directory; run e.g. `bash scripts/eval_deepseek.sh` first")
+    os.makedirs(out_dir, exist_ok=True)
+    figures, skipped, sections = [], [], []
+
+    def save(fig, file: str, title: str, source: str) -> str:
+        fig.savefig(os.path.join(out_dir, file), dpi=DPI)
+        plt.close(fig)
+        figures.append({"file": file, "title": title, "source": source})
+        return (f'<figure><img src="{html.escape(file)}" alt="{html.escape(title)}">'
+                f"<figcaption>{html.escape(title)} — from <code>{html.escape(source)}</code></figcaption></figure>")
+
+    def skip(reason: str) -> str:
+        skipped.append(reason)
+        return f'<p class="skipped">Not drawn: {html.escape(reason)}</p>'
+
+    # LAR per layer + method tables
+    part = []
+    for label, data in found["eval"]:
+        if all("lar_per_layer" in r for r in data["methods"].values()):
+            part.append(save(figure_lar_per_layer(data), f"lar_per_layer_{_slug(label)}.png",
+                             f"LAR per layer, every method, EP {data['ep']} {data['mode'].upper()}", label))
+        else:
+            part.append(skip(f"{label}: no lar_per_layer (written by an older semmoe eval)"))
+        part.append(html_table(data["methods"]))
+    sections.append(("Local activation rate per layer", part or [skip("no `semmoe eval --json` output")]))
+
+    # affinity
+    part = []
+    if found["analyze"]:
+        part.append(save(figure_affinity(found["analyze"]), "affinity.png", "token→expert affinity evidence per layer",
+                         ", ".join(label for label, _ in found["analyze"])))
+    sections.append(("Affinity evidence", part or [skip("no `semmoe analyze --json` output")]))
+
+    # placement maps
+    part = []
+    for label, path in found["tables"]:
+        try:
+            placement = load_tables(path).placement
+        except ValueError as exc:
+            part.append(skip(f"{label}: {exc}"))
+            continue
+        file = f"placement_{_slug(label)}.png"
+        title = (f"{placement.method} placement: {placement.num_layers} layers x {placement.num_experts} experts "
+                 f"on {placement.ep_size} devices")
+        part.append(save(figure_placement(placement.expert_device, title), file, title, label))
+    sections.append(("Placement (layer × expert, coloured by device)",
+                     part or [skip("no tables directory (`semmoe solve --out DIR`)")]))
+
+    # DP load over time
+    part = []
+    for label, data in found["eval"]:
+        curves = {m: r["rank_load_curve"] for m, r in data["methods"].items() if "rank_load_curve" in r}
+        if data["mode"] == "dp" and curves:
+            part.append(save(figure_rank_load(curves, data["ep"], f"DP per-rank load over time (eval, EP {data['ep']})"),
+                             f"dp_rank_load_{_slug(label)}.png", "DP per-rank prompt tokens over the evaluation", label))
+    if found["bench_serve"]:
+        part.append(save(figure_bench_serve(found["bench_serve"]), "bench_serve_rank_load.png",
+                         "bench-serve: prompt tokens per DP rank", ", ".join(lb for lb, _ in found["bench_serve"])))
+        part.append(html_table({lb: r for lb, r in found["bench_serve"]}))
+    sections.append(("DP per-rank load", part or [skip("no DP eval with rank_load_curve and no bench-serve JSON")]))
+
+    # bytes per token
+    part = []
+    if found["bench_ep"]:
+        part.append(save(figure_bytes(found["bench_ep"]), "bytes_per_token.png",
+                         "all-to-all bytes per token", ", ".join(lb for lb, _ in found["bench_ep"])))
+        for label, data in found["bench_ep"]:
+            part.append(f"<p><code>{html.escape(label)}</code></p>" + html_table(data["methods"]))
+    sections.append(("Bytes per token", part or [skip("no `semmoe bench-ep --json` output")]))
+
+    # cost model
+    part = []
+    for label, data in found["cost"]:
+        part.append(save(figure_cost(data), f"cost_model_{_slug(label)}.png", "modelled MoE-layer time per token", label))
+        for hw, rows in data["cost"].items():
+            part.append(f"<p><b>{html.escape(hw)}</b> (µs per token)</p>" + html_table(rows, fmt="{:.3f}"))
+    sections.append(("Cost model", part or [skip("no `semmoe cost --json` output")]))
+
+    body = "".join(f"<h2>{html.escape(title)}</h2>{''.join(items)}" for title, items in sections)
+    page = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Sem-MoE report</title>"
+            f"<style>{_STYLE}</style></head><body><h1>Sem-MoE report</h1>"
+            f"<p>From <code>{html.escape(os.path.abspath(from_dir))}</code>, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+            f"<span id=\"figure-check\" data-loaded=\"\" data-total=\"{len(figures)}\">figures not checked</span></p>"
+            f"{body}{_CHECK}</body></html>\n")
+    path = os.path.join(out_dir, "index.html")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return {"html": path, "figures": figures, "skipped": skipped}
