@@ -120,6 +120,29 @@ def test_stale_file_and_parts_together_are_refused(tmp_path):
         load_trace(path)
 
 
+@pytest.mark.parametrize("method", ["vanilla", "semmoe"])
+def test_live_meter_in_chunks_equals_evaluate_on_all_steps(method):
+    """The recorder keeps no history: live LAR is accumulated chunk by chunk, and must equal
+    ``evaluate`` on all steps at once (one batch per step)."""
+    from vllm_semmoe.evaluate import EvalConfig, evaluate
+    from vllm_semmoe.vllm_adapter.capture import LiveMeter
+
+    trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=300, num_requests=30)
+    tables = build_tables(trace, get_policy(method).solve(trace, 4))
+    steps = trace  # every "request" of the trace plays one engine step
+    meter = LiveMeter(tables, vocab_size=trace.vocab_size)
+    lengths = np.diff(steps.offsets)
+    for chunk in np.array_split(np.arange(steps.num_requests), 4):
+        rows = slice(steps.offsets[chunk[0]], steps.offsets[chunk[-1] + 1])
+        meter.add(steps.tokens[rows], steps.experts[rows].astype(np.int64), list(lengths[chunk]))
+    whole = evaluate(steps, tables.placement, tables if method == "semmoe" else None,
+                     EvalConfig(mode="tp", batch_tokens=0))
+    live = meter.result()
+    for key in ("lar", "lar_token", "oracle_lar", "imbalance", "expert_imbalance"):
+        assert live[key] == pytest.approx(whole[key], rel=1e-9), key
+    assert (live["steps"], live["tokens"]) == (steps.num_requests, steps.num_tokens)
+
+
 # ---- real servers ------------------------------------------------------------------------------
 def _complete(base: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float] | None:
     payload = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
