@@ -150,7 +150,8 @@ def install_one_line_refusals() -> None:
     def hook(kind, value, traceback):
         if isinstance(value, SemMoEConfigError):
             logging.getLogger("vllm.semmoe").debug("semmoe: start refused", exc_info=(kind, value, traceback))
-            print(f"semmoe: error: {value}", file=sys.stderr, flush=True)
+            message = str(value).removeprefix("semmoe: ")
+            print(f"semmoe: error: {message}", file=sys.stderr, flush=True)
             return
         previous(kind, value, traceback)
 
