@@ -201,6 +201,13 @@ def test_tables_for_another_ep_size_refuse_to_start(engine_config, tiny_tables):
     assert config.parallel_config.data_parallel_size == 2
 
 
+def test_tables_for_another_layer_count_refuse_to_start(engine_config, tmp_path):
+    trace = synthetic_trace(num_layers=3, num_experts=32, top_k=4, vocab_size=6144, num_requests=20)
+    build_tables(trace, get_policy("vanilla").solve(trace, 1)).save(tmp_path / "three_layers")
+    with pytest.raises(SemMoEConfigError, match=r"MoE layers 3 \(model has 4\); solve tables for this model"):
+        engine_config({"tables": str(tmp_path / "three_layers")})
+
+
 def test_refused_server_start_is_one_line(tmp_path, tiny_tables):
     """``semmoe serve`` with a refused configuration exits non-zero at once with the reason in
     one line, and no traceback."""

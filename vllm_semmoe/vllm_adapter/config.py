@@ -131,6 +131,27 @@ class SemMoEConfig:
         return tables
 
 
+def moe_layer_count(hf_config) -> int | None:
+    """MoE layers of a model from its Hugging Face config, as vLLM 0.32 builds them, for the
+    families whose layout rule is known (Qwen2/3-MoE, DeepSeek-V2/V3, Mixtral, OLMoE); ``None``
+    otherwise (then the count is checked once the model is built)."""
+    kind = getattr(hf_config, "model_type", "")
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return None
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        return sum(1 for layer in range(layers) if layer not in dense and (layer + 1) % step == 0)
+    if kind in ("deepseek_v2", "deepseek_v3"):
+        first = getattr(hf_config, "first_k_dense_replace", 0) or 0
+        freq = getattr(hf_config, "moe_layer_freq", 1) or 1
+        return sum(1 for layer in range(first, layers) if layer % freq == 0)
+    if kind in ("mixtral", "olmoe"):
+        return layers
+    return None
+
+
 def expert_parallel_size(parallel_config) -> int:
     """EP size vLLM will use: TP × DP (× PCP) with ``--enable-expert-parallel``, else 1."""
     if not getattr(parallel_config, "enable_expert_parallel", False):

@@ -132,9 +132,11 @@ def _patch_engine_args() -> None:
 def validate_against_model(config, vllm_config) -> None:
     """Check tables against what the HF config tells before any worker starts.
 
-    The expert count and EP size are checked here; the MoE layer count once the model is built.
+    The expert count, EP size and mode are checked here, and the MoE layer count when the
+    model family's layout is known (:func:`~.config.moe_layer_count`); it is checked again once
+    the model is built.
     """
-    from .config import SemMoEConfigError, expert_parallel_size
+    from .config import SemMoEConfigError, expert_parallel_size, moe_layer_count
 
     hf = vllm_config.model_config.hf_text_config
     num_experts = next((getattr(hf, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
@@ -142,7 +144,7 @@ def validate_against_model(config, vllm_config) -> None:
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
     config.check_parallel(vllm_config.parallel_config)
-    config.load_tables(num_layers=None, num_experts=int(num_experts),
+    config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
                        ep_size=expert_parallel_size(vllm_config.parallel_config))
 
 
