@@ -111,5 +111,7 @@ def test_tables_for_another_ep_size_need_placement_only(baseline, tmp_path, prom
     _, trace, _ = baseline
     build_tables(trace, get_policy("vanilla").solve(trace, 8)).save(tmp_path / "ep8")
     assert load_tables(tmp_path / "ep8").ep_size == 8
-    with pytest.raises(SemMoEConfigError, match=r"EP size 8 \(running with 1\)"):
+    # mode tp on one device is refused for the mode first (the EP-size refusal: tests/test_errors.py)
+    with pytest.raises(SemMoEConfigError, match=r"mode 'tp' shuffles tokens over tensor-parallel ranks: add "
+                                                r"--tensor-parallel-size N \(N >= 2\) and --enable-expert-parallel"):
         run_prompts(tiny_moe_path(), prompts[:1], max_tokens=2, semmoe={"tables": str(tmp_path / "ep8"), "mode": "tp"})

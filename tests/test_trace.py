@@ -72,7 +72,7 @@ def test_bad_files_give_clear_errors(tmp_path):
         load_trace(tmp_path / "missing.npz")
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"not a zip")
-    with pytest.raises(TraceError, match="not a readable"):
+    with pytest.raises(TraceError, match=r"junk\.npz: not a routing trace \(expected a \.npz archive"):
         load_trace(junk)
     partial = tmp_path / "partial.npz"
     np.savez(partial, tokens=np.array([1], np.int32))

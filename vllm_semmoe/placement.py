@@ -24,6 +24,28 @@ class PlacementError(ValueError):
     """An expert placement violates its invariants; the message says which."""
 
 
+def valid_ep_sizes(num_experts: int) -> list[int]:
+    """EP sizes that split ``num_experts`` evenly (the divisors of N)."""
+    return [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+
+
+def check_ep_size(num_experts: int, ep_size: int, *, option: str = "--ep") -> None:
+    """Raise :class:`PlacementError` unless ``ep_size`` devices can each hold N/E experts.
+
+    Every policy runs this before solving (see :class:`~vllm_semmoe.policy.base.PlacementPolicy`),
+    so a bad ``--ep`` is one line naming the valid sizes for every method.
+    """
+    if isinstance(ep_size, bool) or not isinstance(ep_size, (int, np.integer)) or ep_size < 1:
+        raise PlacementError(f"{option} must be an integer >= 1, got {ep_size!r}")
+    valid = ", ".join(map(str, valid_ep_sizes(num_experts)))
+    if ep_size > num_experts:
+        raise PlacementError(f"{option} {ep_size} exceeds the {num_experts} experts per layer; "
+                             f"choose one of {valid}")
+    if num_experts % ep_size:
+        raise PlacementError(f"{option} {ep_size} does not divide the {num_experts} experts per layer evenly; "
+                             f"choose one of {valid}")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Expert→device map for every MoE layer.

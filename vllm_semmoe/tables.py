@@ -150,54 +150,50 @@ class SemMoETables:
 
 def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
                 num_experts: int | None = None, ep_size: int | None = None) -> SemMoETables:
-    """Load tables saved by :meth:`SemMoETables.save`.
+    """Load tables saved by :meth:`SemMoETables.save`; :class:`TablesError` naming the file and
+    the fix for a missing, damaged or incomplete directory.
 
     When ``num_layers``/``num_experts`` (and optionally ``ep_size``) are given, tables built
     for another shape raise :class:`TablesError`.
     """
     directory = os.fspath(directory)
-    manifest_path = os.path.join(directory, MANIFEST)
-    if not os.path.isdir(directory):
-        raise TablesError(f"tables directory not found: {directory}")
-    if not os.path.exists(manifest_path):
-        raise TablesError(f"{directory}: no {MANIFEST}; is this the output of `semmoe solve`?")
+    manifest = _read_manifest(directory)
+    arrays = _read_arrays(directory)
+    if arrays["expert_device"].ndim != 2 or not np.issubdtype(arrays["expert_device"].dtype, np.integer):
+        raise TablesError(f"{os.path.join(directory, ARRAYS)}: expert_device must be an integer [L, N] array, got "
+                          f"{arrays['expert_device'].dtype} {arrays['expert_device'].shape}; {_RESOLVE}")
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        with np.load(os.path.join(directory, ARRAYS), allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise TablesError(f"{directory}: unreadable tables ({exc})") from None
-    if manifest.get("format") not in READABLE_FORMATS:
-        raise TablesError(f"{manifest_path}: unknown format {manifest.get('format')!r} "
-                          f"(this version reads {', '.join(READABLE_FORMATS)})")
-    redundant = int(manifest.get("redundant", 0))
-    replicas = arrays.get("replicas")
-    if redundant and (replicas is None or replicas.ndim != 3 or replicas.shape[2] != redundant):
-        raise TablesError(f"{directory}: manifest says {redundant} redundant slots per device but the "
-                          f"replicas array is {None if replicas is None else replicas.shape}")
-    try:
-        placement = Placement(arrays["expert_device"], int(manifest["ep_size"]), manifest["method"],
-                              replicas if redundant else None)
+        placement = Placement(arrays["expert_device"], manifest["ep_size"], manifest["method"],
+                              arrays["replicas"] if manifest.get("redundant", 0) else None)
     except PlacementError as exc:
-        raise TablesError(f"{directory}: invalid placement ({exc})") from None
+        raise TablesError(f"{os.path.join(directory, ARRAYS)}: expert_device: {exc}; {_RESOLVE}") from None
     L, E = placement.num_layers, placement.ep_size
+    arrays_path = os.path.join(directory, ARRAYS)
+    if (L, placement.num_experts) != (manifest["num_layers"], manifest["num_experts"]):
+        raise TablesError(f"{arrays_path}: expert_device is {L} x {placement.num_experts}, the manifest says "
+                          f"{manifest['num_layers']} layers x {manifest['num_experts']} experts; {_RESOLVE}")
+    tokens = arrays["t2d_tokens"]
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (len(tokens) and (
+            tokens.min() < 0 or np.any(np.diff(tokens) <= 0) or tokens.max() >= manifest["vocab_size"])):
+        raise TablesError(f"{arrays_path}: t2d_tokens must be ascending token ids below vocab_size "
+                          f"{manifest['vocab_size']}; {_RESOLVE}")
     expected = {
-        "t2d_score": (L, len(arrays["t2d_tokens"]), E),
+        "t2d_score": (L, len(tokens), E),
         "markov": (L, E * E, E),
         "oov_score": (L, E),
     }
     for key, shape in expected.items():
-        if arrays[key].shape != shape:
-            raise TablesError(f"{directory}: {key} has shape {arrays[key].shape}, expected {shape}")
+        if arrays[key].shape != shape or not np.issubdtype(arrays[key].dtype, np.floating):
+            raise TablesError(f"{arrays_path}: {key} is {arrays[key].dtype} {arrays[key].shape}, expected "
+                              f"floats of shape {shape}; {_RESOLVE}")
     tables = SemMoETables(
         placement=placement,
-        t2d_tokens=arrays["t2d_tokens"],
+        t2d_tokens=tokens.astype(np.int32),
         t2d_score=arrays["t2d_score"],
         markov=arrays["markov"],
         oov_score=arrays["oov_score"],
-        top_k=int(manifest["top_k"]),
-        vocab_size=int(manifest["vocab_size"]),
+        top_k=manifest["top_k"],
+        vocab_size=manifest["vocab_size"],
         mode=manifest["mode"],
         source_trace=manifest["source_trace"],
         oov_rows=arrays.get("oov_rows"),
@@ -209,6 +205,66 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
             ep_size=ep_size,
         )
     return tables
+
+
+_RESOLVE = "re-create the directory with `semmoe solve`"
+#: manifest fields and their types (integers must be >= 1)
+_MANIFEST_FIELDS = {"format": str, "method": str, "mode": str, "ep_size": int, "num_layers": int,
+                    "num_experts": int, "top_k": int, "vocab_size": int, "source_trace": str}
+_ARRAY_FIELDS = ("expert_device", "t2d_tokens", "t2d_score", "markov", "oov_score")
+_OPTIONAL_ARRAYS = ("replicas", "oov_rows")  # format /2: replication, nearest-neighbour rows
+MODES = ("tp", "dp")
+
+
+def _read_manifest(directory: str) -> dict:
+    """The validated ``manifest.json`` of a tables directory."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise TablesError(f"tables directory not found: {directory}")
+    if not os.path.exists(path):
+        raise TablesError(f"{directory}: no {MANIFEST}; is this the output of `semmoe solve`?")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TablesError(f"{path}: not readable JSON ({exc}); {_RESOLVE}") from None
+    if not isinstance(manifest, dict):
+        raise TablesError(f"{path}: expected a JSON object, got {type(manifest).__name__}; {_RESOLVE}")
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise TablesError(f"{path}: unknown format {manifest.get('format')!r} (this version reads "
+                          f"{', '.join(READABLE_FORMATS)}); {_RESOLVE}")
+    redundant = manifest.get("redundant", 0)
+    if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+        raise TablesError(f"{path}: field redundant must be an integer >= 0, got {redundant!r}; {_RESOLVE}")
+    missing = [k for k in _MANIFEST_FIELDS if k not in manifest]
+    if missing:
+        raise TablesError(f"{path}: missing field(s) {', '.join(missing)}; {_RESOLVE}")
+    for key, kind in _MANIFEST_FIELDS.items():
+        value = manifest[key]
+        ok = isinstance(value, kind) and not isinstance(value, bool) and (kind is not int or value >= 1)
+        if not ok:
+            raise TablesError(f"{path}: field {key} must be {'an integer >= 1' if kind is int else 'a string'}, "
+                              f"got {value!r}; {_RESOLVE}")
+    if manifest["mode"] not in MODES:
+        raise TablesError(f"{path}: mode must be one of {', '.join(MODES)}, got {manifest['mode']!r}; {_RESOLVE}")
+    return manifest
+
+
+def _read_arrays(directory: str) -> dict:
+    """The arrays of ``tables.npz`` (every field present, no Python objects)."""
+    path = os.path.join(directory, ARRAYS)
+    if not os.path.exists(path):
+        raise TablesError(f"{directory}: no {ARRAYS}; {_RESOLVE}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in _ARRAY_FIELDS if k not in data.files]
+            if missing:
+                raise TablesError(f"{path}: missing array(s) {', '.join(missing)}; {_RESOLVE}")
+            return {k: data[k] for k in _ARRAY_FIELDS + _OPTIONAL_ARRAYS if k in data.files}
+    except TablesError:
+        raise
+    except Exception as exc:  # zipfile/zlib/EOF/pickle/format errors of a damaged file
+        raise TablesError(f"{path}: damaged or truncated ({type(exc).__name__}: {exc}); {_RESOLVE}") from None
 
 
 def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp",

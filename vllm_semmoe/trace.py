@@ -215,37 +215,71 @@ class RoutingTrace:
 
 
 def load_trace(path: str | os.PathLike) -> RoutingTrace:
-    """Load and validate a routing trace ``.npz``; :class:`TraceError` on any malformed field."""
+    """Load and validate a routing trace; :class:`TraceError` (naming the file) on anything malformed.
+
+    ``path`` is a trace ``.npz``, or a live capture: ``X.npz`` whose ``X.npz.parts/`` directory
+    running or stopped engines wrote (see :mod:`vllm_semmoe.capture_store`), or that directory.
+    """
+    from .capture_store import PARTS_SUFFIX, read_capture
+
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return read_capture(path)
+    parts = path + PARTS_SUFFIX
     if not os.path.exists(path):
+        if os.path.isdir(parts):
+            return read_capture(parts)
         raise TraceError(f"trace file not found: {path}")
+    if os.path.isdir(parts):
+        raise TraceError(f"both {path} and the capture directory {parts} exist; remove the stale one "
+                         f"(the directory is newer if an engine wrote to it after {path} was made)")
     try:
-        data = np.load(path, allow_pickle=False)
-    except Exception as exc:  # zipfile/pickle/format errors
-        raise TraceError(f"{path}: not a readable .npz routing trace ({exc})") from None
-    with data:
-        missing = [k for k in ("tokens", "experts", "offsets") if k not in data.files]
-        if missing:
-            raise TraceError(f"{path}: missing field(s) {', '.join(missing)}")
-        try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace ({exc})") from None
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):
+        raise TraceError(f"{path}: not a routing trace (expected a .npz archive as written by "
+                         f"`semmoe profile` or a capture)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in ("tokens", "experts", "offsets") if k not in data.files]
+            if missing:
+                raise TraceError(f"{path}: missing field(s) {', '.join(missing)}; not a routing trace")
             fields = {k: data[k] for k in data.files}
-        except ValueError as exc:  # object arrays need pickle: refuse
-            raise TraceError(f"{path}: a field holds Python objects, which is not allowed ({exc})") from None
+    except TraceError:
+        raise
+    except ValueError as exc:  # object arrays need pickle: refuse
+        raise TraceError(f"{path}: a field is unreadable or holds Python objects, which is not allowed ({exc})") from None
+    except Exception as exc:  # damaged archive: zipfile/zlib/EOF/format errors
+        raise TraceError(f"{path}: damaged or truncated .npz ({type(exc).__name__}: {exc})") from None
     if "vocab" not in fields and "vocab_size" not in fields:
         raise TraceError(f"{path}: needs 'vocab' or 'vocab_size'")
     try:
+        vocab = fields.get("vocab")
+        if vocab is not None and (vocab.ndim != 1 or vocab.dtype.kind not in "US"):
+            raise TraceError(f"vocab: expected a 1-D array of strings, got {vocab.dtype} {vocab.shape}")
         return RoutingTrace.from_arrays(
             fields["tokens"],
             fields["experts"],
             fields["offsets"],
-            vocab=fields.get("vocab"),
-            vocab_size=int(fields["vocab_size"]) if "vocab_size" in fields else None,
-            num_experts=int(fields["num_experts"]) if "num_experts" in fields else None,
+            vocab=vocab,
+            vocab_size=_scalar_field(fields, "vocab_size"),
+            num_experts=_scalar_field(fields, "num_experts"),
             request_ids=fields.get("request_ids"),
             is_decode=fields.get("is_decode"),
         )
     except TraceError as exc:
         raise TraceError(f"{path}: {exc}") from None
+
+
+def _scalar_field(fields: dict, key: str) -> int | None:
+    if key not in fields:
+        return None
+    value = fields[key]
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer) or int(value) < 1:
+        raise TraceError(f"{key}: expected an integer scalar >= 1, got {value.dtype} {value.shape}")
+    return int(value)
 
 
 def _as_int_array(name: str, value, ndim: int) -> np.ndarray:

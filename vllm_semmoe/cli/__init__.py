@@ -21,7 +21,7 @@ import sys
 from . import costs, doctor, interop, offline, serving
 from .offline import (COLUMNS, DEFAULT_TRACE_HINT, format_affinity_comparison, format_affinity_table,
                       format_eval_table, method_names)
-from .output import write_json
+from .output import DefaultsHelpFormatter, write_json
 from .serving import DEFAULT_SHAREGPT, serve_command
 
 #: The modules whose ``add_parsers(sub)`` make up ``semmoe``'s sub-commands, in help order.
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMAND_MODULES:
         module.add_parsers(sub)
+    for command in sub.choices.values():  # every sub-command's --help shows the defaults
+        command.formatter_class = DefaultsHelpFormatter
     return parser
 
 

@@ -12,7 +12,7 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """The options of ``semmoe bench-ep``."""
     parser.add_argument("--trace", required=True, help="routing trace .npz (e.g. ../shared/data/routing/dsv2lite_puffin-dev.npz)")
     parser.add_argument("--ranks", type=int, default=8, help="EP size = processes spawned (default 8)")
-    parser.add_argument("--mode", choices=("tp", "dp"), default="tp")
+    parser.add_argument("--mode", choices=("tp", "dp"), default="tp", help="serving mode replayed")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated placement methods (default vanilla,eplb,semmoe)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the rows moved (default 2048)")
@@ -20,11 +20,12 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--batch-tokens", type=int, default=512, help="tokens per batch over all ranks")
     parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default all)")
     parser.add_argument("--layers", type=int, default=None, help="benchmark the first N MoE layers (default all)")
-    parser.add_argument("--profile-frac", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split")
+    parser.add_argument("--seed", type=int, default=0, help="split and solver seed")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl with a GPU per rank, else gloo")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="dtype of the rows moved")
     parser.add_argument("--json", default=None, help="write the result here ('-' for stdout)")
     return parser
 

@@ -98,7 +98,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("export", help="a solved placement → SGLang --init-expert-location / vLLM offline-EPLB record")
     p.add_argument("--tables", required=True, help="tables directory written by `semmoe solve`")
-    p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="layout to write")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--dense-layers", type=int, default=0,
                    help="SGLang: leading model layers without experts (DeepSeek's first_k_dense_replace, "

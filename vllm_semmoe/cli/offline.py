@@ -303,11 +303,11 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("solve", help="solve an expert placement and write the lookup tables")
     p.add_argument("--trace", required=True, help="profiling routing trace .npz")
     p.add_argument("--ep", type=int, required=True, help="expert-parallel size E")
-    p.add_argument("--method", default="semmoe", choices=methods)
+    p.add_argument("--method", default="semmoe", choices=methods, help="placement method")
     p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode the tables are for")
     p.add_argument("--profile-frac", type=float, default=None,
                    help="profile only on this seeded fraction of the requests (default: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="split and solver seed")
     p.add_argument("--redundant", type=int, default=0, metavar="R",
                    help="replica slots per device for locality (semmoe only; vLLM EPLB layout, "
                         "num_redundant_experts = EP x R; default 0)")
@@ -335,8 +335,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
                         "input-embedding space (the paper's rule; default: the layer prior)")
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--mode", default="tp", choices=("tp", "dp"))
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size E")
+    p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode simulated")
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(methods)}")
     p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")

@@ -6,9 +6,25 @@ declares it and :func:`write_json` writes it, so the two stay the same everywher
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default (``(default: X)``) unless its text already says it,
+    and ``(required)`` for required options."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        if "default" not in text and action.default is not None and action.default is not False:
+            return f"{text} (default: %(default)s)".strip()
+        return text
 
 
 def add_json_argument(parser, what: str = "the figures") -> None:

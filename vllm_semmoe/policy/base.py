@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
-from ..placement import Placement
+from ..placement import Placement, check_ep_size
 from ..trace import RoutingTrace
 
 #: ``progress(done, total, message)``: called by long solvers; may be ``None``.
@@ -22,6 +23,20 @@ class PlacementPolicy(ABC):
     name: str = ""
     #: whether ``solve`` can fill ``redundant > 0`` replica slots per device
     supports_redundant: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        """Every implementation's :meth:`solve` first checks the EP size against the trace
+        (:func:`~vllm_semmoe.placement.check_ep_size`), so no solver sees an impossible one."""
+        super().__init_subclass__(**kwargs)
+        solve = cls.__dict__.get("solve")
+        if solve is not None and not getattr(solve, "_checks_ep_size", False):
+            @functools.wraps(solve)
+            def checked_solve(self, profile, ep_size, *args, **kw):
+                check_ep_size(profile.num_experts, ep_size)
+                return solve(self, profile, ep_size, *args, **kw)
+
+            checked_solve._checks_ep_size = True
+            cls.solve = checked_solve
 
     @abstractmethod
     def solve(

@@ -12,6 +12,7 @@ import concurrent.futures
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     capture = os.path.join(workdir, f"served_{policy}.npz")
     for stale in glob.glob(capture.replace(".npz", ".dp*")):
         os.remove(stale)
+    shutil.rmtree(capture + ".parts", ignore_errors=True)
     prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
 
     port = free_port()

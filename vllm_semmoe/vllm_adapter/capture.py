@@ -4,31 +4,45 @@ A :class:`RoutingRecorder` sees every real forward step (not vLLM's warm-up or p
 which bypass ``_model_forward``): which request each token belongs to, its position and id,
 and the top-k expert ids every MoE layer chose for it. Routers report *logical* expert ids
 (vLLM's capture hook runs before the logical → physical map, and the placement is applied
-after it; see :mod:`.replacement`), so the :class:`~vllm_semmoe.trace.RoutingTrace` it builds
-has logical ids with or without a placement; prefill and decode tokens are marked.
+after it; see :mod:`.replacement`). When the step's forward pass ends the recorder appends the
+step to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_store`): the
+capture survives any way the engine stops, and the recorder keeps no history. For live LAR,
+steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
+(or :func:`~vllm_semmoe.vllm_adapter.plugin.flush_capture` runs) and are then counted by a
+:class:`LiveMeter`: memory stays bounded however long the engine serves.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import re
 
 import numpy as np
 import torch
 
+from ..capture_store import SegmentWriter
 from ..placement import Placement
 from ..trace import RoutingTrace
 
+logger = logging.getLogger("vllm.semmoe")
+
+#: count pending steps for live LAR once this many steps or tokens wait (bounds memory)
+METER_STEPS = 256
+METER_TOKENS = 1 << 16
+
 
 class RoutingRecorder:
-    """Accumulates per-step routing; one per worker process.
+    """Records per-step routing and drains it to disk and the live meter; one per worker process.
 
     Args:
         num_layers: MoE layers in the model; top_k: experts per token.
         placement: the placement applied at load time (``None``: physical = logical ids); only
             the live DP counters use it (to tell which rank's slots an activation hit).
         vocab: token strings (index = token id) and ``vocab_size``.
+
+    ``store`` (a :class:`~vllm_semmoe.capture_store.SegmentWriter`, set by :meth:`open_store`)
+    receives every step as it ends; ``meter`` (a :class:`LiveMeter`) counts them for live LAR.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
@@ -36,11 +50,12 @@ class RoutingRecorder:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.l2p = placement.logical_to_physical() if placement is not None else None
         self.vocab, self.vocab_size = vocab, vocab_size
-        self._request_index: dict[str, int] = {}
-        self._request_names: list[str] = []
-        self._prompt_len: list[int] = []
-        self._steps: list[dict] = []
+        self.num_steps = 0  # steps recorded since start
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens, logical experts) not metered yet
+        self._pending_tokens = 0
         self._current: dict | None = None
+        self.store: SegmentWriter | None = None
+        self.meter: LiveMeter | None = None
         self.dp_counters: DpLiveCounters | None = None
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -57,17 +72,12 @@ class RoutingRecorder:
         if tokens is None or n == 0:
             self._current = None
             return
-        req = np.empty(n, np.int64)
-        for i, name in enumerate(req_ids):
-            if name not in self._request_index:
-                self._request_index[name] = len(self._request_names)
-                self._request_names.append(name)
-                self._prompt_len.append(int(num_prompt_tokens[i]))
-            req[bounds[i] : bounds[i + 1]] = self._request_index[name]
         self._current = {
-            "request": req,
-            "token": np.asarray(tokens[:n], np.int64),
-            "position": np.asarray(positions[:n], np.int64),
+            "names": list(req_ids),
+            "prompt_len": np.asarray(num_prompt_tokens, np.int64).copy(),
+            "request": np.repeat(np.arange(len(req_ids), dtype=np.int64), np.diff(bounds)),
+            "token": np.asarray(tokens[:n], np.int64).copy(),
+            "position": np.asarray(positions[:n], np.int64).copy(),
             "experts": [None] * self.num_layers,
         }
 
@@ -89,60 +99,107 @@ class RoutingRecorder:
         missing = [l for l, e in enumerate(step["experts"]) if e is None]
         if missing:  # e.g. pipeline parallel: this rank does not run every layer
             raise RuntimeError(f"semmoe capture: MoE layers {missing} produced no routing in a step")
-        step["experts"] = np.stack(step["experts"], axis=1)  # [n, L, K]
-        self._steps.append(step)
+        experts = np.stack(step["experts"], axis=1)  # [n, L, K] logical ids
+        self.num_steps += 1
+        if self.store is not None:
+            try:
+                self.store.append(step["names"], step["prompt_len"], step["request"], step["position"],
+                                  step["token"], experts)
+            except OSError:  # disk full, directory removed, ...: say so once, keep serving
+                logger.exception("semmoe: could not append to the routing capture; capture stopped")
+                self.store = None
         if self.dp_counters is not None:
-            prompt = step["position"] < np.asarray(self._prompt_len)[step["request"]]
-            physical = step["experts"]
+            prompt = step["position"] < step["prompt_len"][step["request"]]
+            physical = experts
             if self.l2p is not None:
-                physical = self.l2p[np.arange(self.num_layers)[None, :, None], physical]
-            self.dp_counters.update(physical, int(prompt.sum()), len(self._steps))
+                physical = self.l2p[np.arange(self.num_layers)[None, :, None], experts]
+            self.dp_counters.update(physical, int(prompt.sum()), self.num_steps)
+        if self.meter is not None:
+            self._pending.append((step["token"], experts))
+            self._pending_tokens += len(step["token"])
+            if len(self._pending) >= METER_STEPS or self._pending_tokens >= METER_TOKENS:
+                self.drain()
 
-    # ---- results ---------------------------------------------------------------------------
-    @property
-    def num_steps(self) -> int:
-        return len(self._steps)
+    # ---- storage and metering --------------------------------------------------------------
+    def open_store(self, path: str, *, dp_rank: int = 0, dp_size: int = 1) -> None:
+        """Append every step from now on to ``path``'s durable capture (this engine's segment)."""
+        self.store = SegmentWriter(path, num_layers=self.num_layers, num_experts=self.num_experts,
+                                   top_k=self.top_k, vocab_size=self.vocab_size,
+                                   vocab=self.vocab if len(self.vocab) == self.vocab_size else (),
+                                   dp_rank=dp_rank, dp_size=dp_size)
 
-    def step_trace(self) -> RoutingTrace:
-        """All captured tokens in step order, one "request" per forward step (for live LAR)."""
-        steps = self._steps
-        if not steps:
-            raise RuntimeError("semmoe capture: no forward steps were recorded")
-        logical = np.concatenate([s["experts"] for s in steps])
-        lengths = [len(s["token"]) for s in steps]
-        return RoutingTrace.from_arrays(
-            np.concatenate([s["token"] for s in steps]).astype(np.int32), logical.astype(np.int16),
-            np.concatenate([[0], np.cumsum(lengths)]), vocab_size=self.vocab_size,
-            num_experts=self.num_experts,
-        )
+    def drain(self) -> int:
+        """Count the steps waiting for the live meter; returns how many."""
+        steps, self._pending, self._pending_tokens = self._pending, [], 0
+        if steps and self.meter is not None:
+            self.meter.add(np.concatenate([t for t, _ in steps]), np.concatenate([e for _, e in steps]),
+                           [len(t) for t, _ in steps])
+        return len(steps)
 
-    def trace(self) -> RoutingTrace:
-        """The captured routing per request (token order), with logical expert ids."""
-        if not self._steps:
-            raise RuntimeError("semmoe capture: no forward steps were recorded")
-        req = np.concatenate([s["request"] for s in self._steps])
-        pos = np.concatenate([s["position"] for s in self._steps])
-        tok = np.concatenate([s["token"] for s in self._steps])
-        experts = np.concatenate([s["experts"] for s in self._steps])
-        # order by (request, position); a recomputed position (preemption) keeps its last capture
-        order = np.lexsort((np.arange(len(req)), pos, req))
-        req, pos, tok, experts = req[order], pos[order], tok[order], experts[order]
-        keep = np.ones(len(req), bool)
-        keep[:-1] = (req[1:] != req[:-1]) | (pos[1:] != pos[:-1])
-        req, pos, tok, experts = req[keep], pos[keep], tok[keep], experts[keep]
-        counts = np.bincount(req, minlength=len(self._request_names))
-        present = np.nonzero(counts)[0]
-        offsets = np.concatenate([[0], np.cumsum(counts[present])])
-        is_decode = pos >= np.asarray(self._prompt_len)[req]
-        experts = np.sort(experts, axis=2)
-        dtype = np.uint8 if self.num_experts <= 256 else np.int16
-        vocab = self.vocab if len(self.vocab) == self.vocab_size else None
-        return RoutingTrace.from_arrays(
-            tok.astype(np.int32), experts.astype(dtype), offsets, vocab=vocab, vocab_size=self.vocab_size,
-            num_experts=self.num_experts,
-            request_ids=[_request_number(self._request_names[r], r) for r in present],
-            is_decode=is_decode,
-        )
+
+class LiveMeter:
+    """Live LAR of the captured steps against ``tables``' placement, as the engine batched them,
+    accumulated chunk by chunk (the steps themselves are not kept).
+
+    Data-parallel serving (``dp_size > 1``): every token of this engine lives on DP rank
+    ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
+    expert sits on one of them. Otherwise tokens are scheduled per forward step with Sem-MoE's
+    TP scheduler when the tables are Sem-MoE's, else with the default contiguous slices (what
+    vLLM does), exactly as :func:`vllm_semmoe.evaluate.evaluate` does for an offline trace with
+    one batch per step; the figures equal ``evaluate`` on all steps at once.
+    """
+
+    def __init__(self, tables, *, vocab_size: int, dp_rank: int = 0, dp_size: int = 1):
+        self.tables, self.vocab_size = tables, vocab_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        L, E = tables.num_layers, tables.ep_size
+        self.steps = self.tokens = 0
+        self.local = self.activations = 0.0
+        self.local_tokens = self.oracle = self.imbalance_sum = 0.0
+        self.expert_load = np.zeros((L, E), np.int64)
+
+    def add(self, tokens: np.ndarray, experts: np.ndarray, step_lengths: list[int]) -> None:
+        """tokens ``[n]``, experts ``[n, L, K]`` logical ids, step_lengths: tokens per step."""
+        from ..evaluate import EvalConfig, evaluate
+        from ..tables import device_counts
+
+        tables = self.tables
+        n, L, K = experts.shape
+        self.steps += len(step_lengths)
+        self.tokens += n
+        self.activations += n * L * K
+        counts = device_counts(experts, tables.placement.expert_device, tables.ep_size)  # [n, L, E]
+        self.expert_load += counts.sum(axis=0, dtype=np.int64)
+        if self.dp_size > 1:
+            group = tables.ep_size // self.dp_size
+            self.local += int(counts[:, :, self.dp_rank * group : (self.dp_rank + 1) * group].sum())
+            return
+        steps = RoutingTrace.from_arrays(tokens.astype(np.int32), experts, np.concatenate([[0], np.cumsum(step_lengths)]),
+                                         vocab_size=self.vocab_size, num_experts=tables.num_experts)
+        scheduled = tables if tables.placement.method == "semmoe" else None
+        result = evaluate(steps, tables.placement, scheduled, EvalConfig(mode="tp", batch_tokens=0))
+        self.local += result["lar"] * n * L * K
+        self.local_tokens += result["lar_token"] * n * L
+        self.oracle += result["oracle_lar"] * n * L * K
+        self.imbalance_sum += result["imbalance"] * len(step_lengths) * L
+
+    def result(self) -> dict:
+        """The figures so far (``{}`` before any step)."""
+        if not self.steps:
+            return {}
+        lar = self.local / self.activations
+        if self.dp_size > 1:
+            local = int(self.local)
+            out = {"lar": lar, "local_activations": local, "remote_activations": int(self.activations) - local}
+        else:
+            load = self.expert_load
+            L = load.shape[0]
+            out = {"lar": lar, "lar_token": self.local_tokens / (self.tokens * L),
+                   "oracle_lar": self.oracle / self.activations, "imbalance": self.imbalance_sum / (self.steps * L),
+                   "expert_imbalance": float((load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12)).mean())}
+        out["steps"] = self.steps
+        out["tokens"] = self.tokens
+        return out
 
 
 class DpLiveCounters:
@@ -177,36 +234,3 @@ class DpLiveCounters:
         with open(tmp, "w") as f:
             json.dump(payload, f)
         os.replace(tmp, self.path)
-
-
-def _request_number(name: str, fallback: int) -> int:
-    """vLLM request ids look like ``"12"`` or ``"12-9f3a"`` (offline) or ``"cmpl-…"`` (server)."""
-    match = re.match(r"(\d+)", name)
-    return int(match.group(1)) if match else fallback
-
-
-def live_lar(recorder: RoutingRecorder, tables, *, dp_rank: int = 0, dp_size: int = 1) -> dict:
-    """LAR of the captured steps against ``tables``' placement, as the engine batched them.
-
-    Data-parallel serving (``dp_size > 1``): every token of this engine lives on DP rank
-    ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
-    expert sits on one of them. Otherwise tokens are scheduled per forward step with Sem-MoE's
-    TP scheduler when the tables are Sem-MoE's, else with the default contiguous slices (what
-    vLLM does), exactly as :func:`vllm_semmoe.evaluate.evaluate` does for an offline trace.
-    """
-    from ..evaluate import EvalConfig, evaluate
-    from ..tables import device_counts
-
-    steps = recorder.step_trace()
-    if dp_size > 1:
-        counts = device_counts(steps.experts, tables.placement.expert_device, tables.ep_size)
-        group = tables.ep_size // dp_size
-        local = int(counts[:, :, dp_rank * group : (dp_rank + 1) * group].sum())
-        total = int(counts.sum())
-        result = {"lar": local / max(total, 1), "local_activations": local, "remote_activations": total - local}
-    else:
-        scheduled = tables if tables.placement.method == "semmoe" else None
-        result = evaluate(steps, tables.placement, scheduled, EvalConfig(mode="tp", batch_tokens=0))
-    result["steps"] = steps.num_requests
-    result["tokens"] = steps.num_tokens
-    return result

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from ..tables import SemMoETables, TablesError, load_tables
@@ -21,7 +23,9 @@ class SemMoEConfig:
 
     Attributes:
         tables: directory written by ``semmoe solve`` (``None``: no re-placement).
-        capture: path of the routing trace ``.npz`` to write (``None``: no capture).
+        capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
+            every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
+            :func:`vllm_semmoe.trace.load_trace` reads it as one trace.
         mode: ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data
             the Sem-MoE way and meter live LAR accordingly).
         dp_slack: ``dp`` mode balance guard: never choose a rank whose queue score (vLLM's:
@@ -38,17 +42,24 @@ class SemMoEConfig:
     @classmethod
     def from_additional_config(cls, additional_config) -> "SemMoEConfig | None":
         """Parse ``vllm_config.additional_config``; ``None`` when the plugin is not configured."""
-        if not additional_config or "semmoe" not in additional_config:
+        if not additional_config:
+            return None
+        if not isinstance(additional_config, dict):
+            raise SemMoEConfigError(f"additional_config must be a JSON object, got {type(additional_config).__name__}")
+        if "semmoe" not in additional_config:
             return None
         raw = additional_config["semmoe"]
         if not isinstance(raw, dict):
             raise SemMoEConfigError(f"additional_config['semmoe'] must be a JSON object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - set(KEYS))
+        unknown = sorted(repr(k) for k in set(raw) - set(KEYS))
         if unknown:
             raise SemMoEConfigError(
-                f"unknown key(s) {', '.join(map(repr, unknown))} in additional_config['semmoe'] "
+                f"unknown key(s) {', '.join(unknown)} in additional_config['semmoe'] "
                 f"(valid keys: {', '.join(KEYS)})"
             )
+        for key in ("mode", "tables", "capture"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                raise SemMoEConfigError(f"semmoe {key} must be a string, got {raw[key]!r}")
         mode = raw.get("mode", "placement-only")
         if mode not in MODES:
             raise SemMoEConfigError(f"semmoe mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -60,6 +71,8 @@ class SemMoEConfig:
         capture = raw.get("capture")
         if capture is not None:
             parent = os.path.dirname(os.path.abspath(capture))
+            if not capture or os.path.isdir(capture):
+                raise SemMoEConfigError(f"semmoe capture must be a file path like routing.npz, got {capture!r}")
             if not os.path.isdir(parent):
                 raise SemMoEConfigError(f"semmoe capture path's directory does not exist: {parent}")
         if tables is None and capture is None:
@@ -68,7 +81,7 @@ class SemMoEConfig:
         for key in ("dp_slack", "dp_price_step"):
             if key in raw:
                 value = raw[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                     raise SemMoEConfigError(f"semmoe {key} must be a number >= 0, got {value!r}")
                 numbers[key] = float(value)
         return cls(tables=tables, capture=capture, mode=mode, **numbers)
@@ -78,12 +91,28 @@ class SemMoEConfig:
         """Whether engines keep a routing recorder (for the capture file or live metering)."""
         return self.capture is not None or self.mode != "placement-only"
 
+    def check_parallel(self, parallel_config) -> None:
+        """Refuse a mode the parallel layout cannot run (``dp``: DP > 1 with expert
+        parallelism; ``tp``: TP > 1 with expert parallelism), naming the options to change."""
+        dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
+        ep = bool(getattr(parallel_config, "enable_expert_parallel", False))
+        running = f"running DP {dp}, TP {tp}, expert parallelism {'on' if ep else 'off'}"
+        if self.mode == "dp" and (dp < 2 or not ep):
+            raise SemMoEConfigError(
+                f"semmoe mode 'dp' routes requests over data-parallel ranks: add --data-parallel-size N "
+                f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
+        if self.mode == "tp" and (tp < 2 or not ep):
+            raise SemMoEConfigError(
+                f"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add --tensor-parallel-size N "
+                f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
+
     def load_tables(self, *, num_layers: int | None, num_experts: int, ep_size: int) -> SemMoETables | None:
-        """Load the tables and check them against the running model and EP size
+        """Load the tables and check them against the running model, EP size and mode
         (``num_layers=None``: layer count not known yet, not checked).
 
         ``placement-only`` on a single device (``ep_size == 1``) accepts tables of any EP size:
-        the permutation is still exact, which is how losslessness is tested without EP.
+        the permutation is still exact, which is how losslessness is tested without EP. ``tp``
+        and ``dp`` need tables solved for that mode (``semmoe solve --mode``).
         """
         if self.tables is None:
             return None
@@ -92,9 +121,35 @@ class SemMoEConfig:
             tables = load_tables(self.tables)
             tables.check_compatible(num_layers=tables.num_layers if num_layers is None else num_layers,
                                     num_experts=num_experts, ep_size=None if any_ep else ep_size)
-            return tables
         except TablesError as exc:
-            raise SemMoEConfigError(f"semmoe: {exc}") from None
+            hint = "; solve tables for this model and EP size (semmoe solve --ep)" if "configuration" in str(exc) else ""
+            raise SemMoEConfigError(f"semmoe: {exc}{hint}") from None
+        if self.mode != "placement-only" and tables.mode != self.mode:
+            raise SemMoEConfigError(
+                f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
+                f"{self.mode!r}: re-solve with `semmoe solve --mode {self.mode}` or serve with --mode {tables.mode}")
+        return tables
+
+
+def moe_layer_count(hf_config) -> int | None:
+    """MoE layers of a model from its Hugging Face config, as vLLM 0.32 builds them, for the
+    families whose layout rule is known (Qwen2/3-MoE, DeepSeek-V2/V3, Mixtral, OLMoE); ``None``
+    otherwise (then the count is checked once the model is built)."""
+    kind = getattr(hf_config, "model_type", "")
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return None
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        return sum(1 for layer in range(layers) if layer not in dense and (layer + 1) % step == 0)
+    if kind in ("deepseek_v2", "deepseek_v3"):
+        first = getattr(hf_config, "first_k_dense_replace", 0) or 0
+        freq = getattr(hf_config, "moe_layer_freq", 1) or 1
+        return sum(1 for layer in range(first, layers) if layer % freq == 0)
+    if kind in ("mixtral", "olmoe"):
+        return layers
+    return None
 
 
 def expert_parallel_size(parallel_config) -> int:
@@ -103,3 +158,23 @@ def expert_parallel_size(parallel_config) -> int:
         return 1
     size = parallel_config.tensor_parallel_size * parallel_config.data_parallel_size
     return size * getattr(parallel_config, "prefill_context_parallel_size", 1)
+
+
+def install_one_line_refusals() -> None:
+    """Make an uncaught :class:`SemMoEConfigError` (a refused start, e.g. of ``vllm serve``) print
+    one line instead of vLLM's call stack; the traceback goes to the debug log. Other exceptions
+    keep the previous hook. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "_semmoe", False):
+        return
+
+    def hook(kind, value, traceback):
+        if isinstance(value, SemMoEConfigError):
+            logging.getLogger("vllm.semmoe").debug("semmoe: start refused", exc_info=(kind, value, traceback))
+            message = str(value).removeprefix("semmoe: ")
+            print(f"semmoe: error: {message}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, traceback)
+
+    hook._semmoe = True
+    sys.excepthook = hook

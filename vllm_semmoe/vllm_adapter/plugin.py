@@ -51,6 +51,9 @@ def register() -> None:
         return
     compat.check_vllm()
     from . import cpu_fixes, ops
+    from .config import install_one_line_refusals
+
+    install_one_line_refusals()
 
     cpu_fixes.apply_cpu_fixes()
     _fix_triton_rebind_scan()
@@ -162,16 +165,19 @@ def check_compilation(config, vllm_config) -> None:
 def validate_against_model(config, vllm_config) -> None:
     """Check tables against what the HF config tells before any worker starts.
 
-    The expert count and EP size are checked here; the MoE layer count once the model is built.
+    The expert count, EP size and mode are checked here, and the MoE layer count when the
+    model family's layout is known (:func:`~.config.moe_layer_count`); it is checked again once
+    the model is built.
     """
-    from .config import SemMoEConfigError, expert_parallel_size
+    from .config import SemMoEConfigError, expert_parallel_size, moe_layer_count
 
     hf = vllm_config.model_config.hf_text_config
     num_experts = next((getattr(hf, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                         if getattr(hf, k, None)), None)
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
-    config.load_tables(num_layers=None, num_experts=int(num_experts),
+    config.check_parallel(vllm_config.parallel_config)
+    config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
                        ep_size=expert_parallel_size(vllm_config.parallel_config))
 
 
@@ -292,6 +298,14 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
         recorder.dp_counters = DpLiveCounters(
             dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
             parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
+    if tables is not None:
+        from .capture import LiveMeter
+
+        recorder.meter = LiveMeter(tables, vocab_size=recorder.vocab_size, dp_rank=parallel.data_parallel_rank,
+                                   dp_size=parallel.data_parallel_size)
+    if config.capture is not None and compat.tp_rank() == 0:  # TP ranks see the same tokens: one writes
+        recorder.open_store(config.capture, dp_rank=parallel.data_parallel_rank,
+                            dp_size=parallel.data_parallel_size)
     return recorder
 
 
@@ -389,7 +403,9 @@ def dp_capture_path(path: str, parallel_config) -> str:
 
 
 def flush_capture(runner_or_worker) -> dict:
-    """Write the capture (rank 0 of its TP group) and return the live metrics.
+    """Return the live metrics (steps, live LAR, TP-shuffle counters) and write them beside the
+    capture (``X.npz.json``, rank 0 of its TP group). The capture itself needs no flush: engines
+    append every step to it as the step ends.
 
     Accepts a model runner or a vLLM worker, so ``LLM.collective_rpc(flush_capture)`` works.
     """
@@ -403,24 +419,22 @@ def flush_state(state: SemMoEState) -> dict:
     recorder, config = state.recorder, state.config
     if recorder is None or recorder.num_steps == 0:
         return {}
-    if state.flushed_steps == recorder.num_steps:
-        return state.flushed_summary  # nothing new since the last flush
-    from types import SimpleNamespace
-
-    from .capture import live_lar
-
+    recorder.drain()
     tp_size, dp_size, dp_rank, _ = state.parallel
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
     if state.counters["layers_run"]:
         summary["tp_shuffle"] = dict(state.counters)
-    if state.tables is not None:
-        summary["live"] = live_lar(recorder, state.tables, dp_rank=dp_rank, dp_size=dp_size)
-    if compat.tp_rank() == 0 and config.capture is not None:
-        path = dp_capture_path(config.capture, SimpleNamespace(data_parallel_size=dp_size, data_parallel_rank=dp_rank))
-        recorder.trace().save(path)
-        with open(path + ".json", "w") as f:
+    if recorder.meter is not None:
+        summary["live"] = recorder.meter.result()
+    if recorder.store is not None:
+        from types import SimpleNamespace
+
+        path = dp_capture_path(config.capture, SimpleNamespace(data_parallel_size=dp_size,
+                                                               data_parallel_rank=dp_rank)) + ".json"
+        with open(path + ".tmp", "w") as f:
             json.dump(summary, f, indent=2)
-        summary["path"] = path
+        os.replace(path + ".tmp", path)
+        summary["path"] = config.capture
     state.flushed_steps, state.flushed_summary = recorder.num_steps, summary
     return summary
 

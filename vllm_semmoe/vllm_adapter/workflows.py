@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from ..capture_store import compact_capture
 from ..evaluate import EvalConfig, evaluate
 from ..policy import get_policy
 from ..prompts import load_prompts
@@ -28,7 +29,7 @@ def profile(model: str, dataset: str, num_prompts: int, out: str, *, skip: int =
         semmoe["tables"] = tables
     _, summary = run_prompts(model, prompts, max_tokens=max_tokens, semmoe=semmoe,
                              max_model_len=max_model_len, **llm_kwargs)
-    trace = load_trace(out)
+    trace = compact_capture(out)  # the engine has stopped: one .npz instead of its parts
     _say(f"wrote {out}: {trace.num_requests} requests, {trace.num_tokens} tokens "
          f"({int(trace.is_decode.sum())} decode), {trace.num_layers} MoE layers x {trace.num_experts} experts")
     return summary
