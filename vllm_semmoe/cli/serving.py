@@ -68,11 +68,11 @@ def cmd_profile(args, engine_args: dict | None = None) -> int:
 def _add_profile_options(p) -> None:
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", required=True, help="ShareGPT or MMLU .jsonl(.gz), or plain text (.gz)")
-    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--num-prompts", type=int, required=True, help="prompts to run")
     p.add_argument("--skip", type=int, default=0, help="skip this many prompts of the dataset first")
     p.add_argument("--out", required=True, help="routing trace .npz to write")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=512, help="vLLM context length")
     p.add_argument("--tables", help="also apply this placement while profiling")
     add_json_argument(p, "the run summary")
 
@@ -99,7 +99,10 @@ def cmd_profile_argv(argv: list[str]) -> int:
     from ..trace import TraceError
     from ..vllm_adapter.config import SemMoEConfigError
 
-    parser = argparse.ArgumentParser(prog="semmoe profile", description=PROFILE_HELP)
+    from .output import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(prog="semmoe profile", description=PROFILE_HELP,
+                                     formatter_class=DefaultsHelpFormatter)
     _add_profile_options(parser)
     args, rest = parser.parse_known_args(argv)
     engine_args = profile_engine_args(rest)
