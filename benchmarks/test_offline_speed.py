@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_semmoe import scheduling
+from vllm_semmoe.evaluate import DEFAULT_DP_BALANCE
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.tables import build_tables, device_counts, majority_device
 
@@ -50,7 +51,7 @@ def test_dp_assign_throughput(benchmark, setup):
 
     def run():
         votes = scheduling.request_votes(rows, trace.offsets, t2d, tables.oov_score)
-        return scheduling.dp_assign(votes, lengths, work, 0.03, 0.05, scheduling.balance_window(8), False)
+        return scheduling.dp_assign(votes, work, DEFAULT_DP_BALANCE, scheduling.balance_window(8), False)
 
     run()
     benchmark(run)
