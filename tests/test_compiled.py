@@ -98,18 +98,27 @@ def _assert_same_tokens(outputs: list[dict], reference: dict[int, list[int]], wh
     assert not diffs, f"{what} differs from plain TP 1 (compiled) greedy output:\n" + "\n".join(diffs)
 
 
-@pytest.fixture(scope="module")
-def tp_tables(tmp_path_factory) -> Path:
-    """Sem-MoE tables for EP 2 from a synthetic routing trace of the tiny model's shape."""
+def _tables(tmp_path_factory, mode: str) -> Path:
+    """Sem-MoE tables for EP 2, solved for ``mode``, from a synthetic trace of the tiny model's shape."""
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
 
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
-    placement = get_policy("semmoe").solve(trace, 2, mode="tp")
-    path = tmp_path_factory.mktemp("tables") / "tp"
-    build_tables(trace, placement, mode="tp").save(path)
+    placement = get_policy("semmoe").solve(trace, 2, mode=mode)
+    path = tmp_path_factory.mktemp("tables") / mode
+    build_tables(trace, placement, mode=mode).save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tp_tables(tmp_path_factory) -> Path:
+    return _tables(tmp_path_factory, "tp")
+
+
+@pytest.fixture(scope="module")
+def dp_tables(tmp_path_factory) -> Path:
+    return _tables(tmp_path_factory, "dp")  # the engine refuses tables solved for another mode
 
 
 def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
@@ -150,7 +159,7 @@ def test_compiled_tp2_shuffle(reference: dict, tp_tables: Path, tmp_path: Path) 
               f"decoder layers ({share:.1%})")
 
 
-def test_compiled_serve_dp2_dp_mode(reference: dict, tp_tables: Path, tmp_path: Path) -> None:
+def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: Path) -> None:
     """``semmoe serve`` (= ``vllm serve`` with the plugin settings) DP 2 + EP, mode dp, compiled:
     the README's DP serving command as written (no --enforce-eager). The server starts, Sem-MoE
     chooses the ranks, every completion is HTTP 200 and equals TP 1's greedy output."""
@@ -158,7 +167,7 @@ def test_compiled_serve_dp2_dp_mode(reference: dict, tp_tables: Path, tmp_path: 
     base = f"http://127.0.0.1:{port}"
     # the README's command: semmoe serve MODEL --data-parallel-size 2 --enable-expert-parallel --tables T --mode dp
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", str(tiny_moe_path()),
-           "--data-parallel-size", "2", "--enable-expert-parallel", "--tables", str(tp_tables), "--mode", "dp",
+           "--data-parallel-size", "2", "--enable-expert-parallel", "--tables", str(dp_tables), "--mode", "dp",
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
            "--data-parallel-address", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "256", "--seed", "0"]
     log = tmp_path / "serve.log"
