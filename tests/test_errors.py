@@ -177,6 +177,14 @@ def test_dp_mode_without_data_parallelism_refuses_to_start(engine_config, tiny_t
         engine_config({"tables": str(tiny_tables[2, "dp"]), "mode": "dp"})
 
 
+def test_sparse_dispatch_without_data_parallel_experts_refuses_to_start(engine_config, tiny_tables):
+    with pytest.raises(SemMoEConfigError, match=r"semmoe dispatch 'sparse' exchanges tokens between data-parallel "
+                                                r"ranks: it needs --data-parallel-size N \(N >= 2\), "
+                                                r"--tensor-parallel-size 1 and --enable-expert-parallel \(running DP 1, "
+                                                r"TP 1, expert parallelism off\)"):
+        engine_config({"tables": str(tiny_tables[1, "dp"]), "dispatch": "sparse"})
+
+
 def test_tp_mode_without_tensor_parallelism_refuses_to_start(engine_config, tiny_tables):
     with pytest.raises(SemMoEConfigError, match=r"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add "
                                                 r"--tensor-parallel-size N"):

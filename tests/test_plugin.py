@@ -98,6 +98,23 @@ def test_config_validation():
         SemMoEConfig.from_additional_config({"semmoe": {"capture": "/tmp/x.npz", "mode": "ep"}})
     with pytest.raises(SemMoEConfigError, match="needs 'tables'"):
         SemMoEConfig.from_additional_config({"semmoe": {"mode": "tp", "capture": "/tmp/x.npz"}})
+    with pytest.raises(SemMoEConfigError, match="dispatch must be one of vllm, sparse, got 'all2all'"):
+        SemMoEConfig.from_additional_config({"semmoe": {"dispatch": "all2all"}})
+
+
+def test_dispatch_defaults_to_sparse_only_in_dp_mode_with_tp1():
+    from types import SimpleNamespace
+
+    layout = lambda dp, tp, ep: SimpleNamespace(data_parallel_size=dp, tensor_parallel_size=tp,  # noqa: E731
+                                                enable_expert_parallel=ep)
+    config = lambda **kw: SemMoEConfig.from_additional_config({"semmoe": {"capture": "/tmp/x.npz", **kw}})  # noqa: E731
+    assert config().resolved_dispatch(layout(2, 1, True)) == "vllm"  # stock dispatch, metered
+    assert config(dispatch="sparse").resolved_dispatch(layout(2, 1, True)) == "sparse"
+    assert config(dispatch="sparse").resolved_dispatch(layout(1, 2, True)) is None  # no DP dispatch at all
+    assert config().resolved_dispatch(layout(2, 1, False)) is None
+    dp_mode = SemMoEConfig(tables="/t", mode="dp")
+    assert dp_mode.resolved_dispatch(layout(2, 1, True)) == "sparse"
+    assert dp_mode.resolved_dispatch(layout(2, 2, True)) == "vllm"
 
 
 def test_engine_refuses_tables_of_another_model(dev_trace, tmp_path, prompts):

@@ -64,14 +64,14 @@ def test_tp_shuffle_layer_schedules_the_same_on_device():
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.vllm_adapter.state import StepContext, new_tp_counters
+    from vllm_semmoe.vllm_adapter.state import StepContext, new_moe_counters
     from vllm_semmoe.vllm_adapter.tp_shuffle import TpShuffleLayer
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=512, num_requests=30)
     tables = build_tables(trace, get_policy("semmoe").solve(trace, 4, mode="tp"), mode="tp")
     rng = np.random.default_rng(0)
     for B in (1, 5, 64, 300):
-        step = StepContext(rng.integers(0, 600, B), tables, None, new_tp_counters())
+        step = StepContext(rng.integers(0, 600, B), tables, None, new_moe_counters())
         step.major = {0: rng.integers(0, 4, B), 1: rng.integers(0, 4, B)}
         for layer in (0, 2, 3):
             shuffle = TpShuffleLayer(layer, tables)

@@ -20,7 +20,7 @@ def serve_parser():
     their names, types, defaults and help."""
     import argparse
 
-    from ..vllm_adapter.config import MODES, SemMoEConfig
+    from ..vllm_adapter.config import DISPATCHES, MODES, SemMoEConfig
     from .output import DefaultsHelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -33,6 +33,10 @@ def serve_parser():
     parser.add_argument("--mode", choices=MODES, default=SemMoEConfig.mode,
                         help="serving mode the tables are for: dp needs --data-parallel-size >= 2, tp needs "
                              "--tensor-parallel-size >= 2, both with --enable-expert-parallel")
+    parser.add_argument("--dispatch", choices=DISPATCHES, default=None,
+                        help="MoE token exchange under DP + EP: sparse (each token only to the ranks holding its "
+                             "experts; the default in mode dp with TP 1) or vllm (vLLM's all-gather / "
+                             "reduce-scatter; the default otherwise)")
     parser.add_argument("--capture", metavar="PATH",
                         help="record the live routing to PATH (e.g. routing.npz; written as it runs into "
                              "PATH.parts/, read with any semmoe command)")
@@ -145,34 +149,62 @@ def cmd_demo(args) -> int:
                   profile_prompts=args.profile_prompts, eval_prompts=args.eval_prompts, skip=args.skip,
                   max_tokens=args.max_tokens)
     rows = result["methods"]
-    print(f"Sem-MoE demo: {os.path.basename(result['model'])}, EP {result['ep_size']} (simulated on one device), "
-          f"TP mode; profiled {result['profile']['prompts']} ShareGPT prompts, served {result['eval']['prompts']} others")
-    print(f"{'method':<10}{'live_lar':>10}{'predicted_lar':>15}{'live-predicted':>16}{'tokens':>8}")
+    van, sem = rows["vanilla"], rows["semmoe"]
+    print(f"Sem-MoE demo: {os.path.basename(result['model'])}; profiled {result['profile']['prompts']} ShareGPT "
+          f"prompts, served {result['eval']['prompts']} others")
+    print(f"1. executed EP: DP {result['executed_dp']} + EP {result['executed_dp']} engines (one process per rank); "
+          "MoE bytes counted by the engines")
+    print(f"{'method':<10}{'moe_B/token':>13}{'vs vanilla':>12}{'live_lar':>10}{'ok':>5}  digest")
     for name, row in rows.items():
-        print(f"{name:<10}{row['live_lar']:>10.4f}{row['predicted_lar']:>15.4f}"
-              f"{row['live_lar'] - row['predicted_lar']:>+16.4f}{row['tokens']:>8}")
-    gain = rows["semmoe"]["live_lar"] / rows["vanilla"]["live_lar"]
-    print(f"Sem-MoE live LAR is {gain:.2f}x vanilla's; finished in {result['wall_s']:.0f} s")
+        print(f"{name:<10}{row['moe_bytes_per_token']:>13.0f}{row['moe_bytes_per_token'] / van['moe_bytes_per_token']:>11.3f}x"
+              f"{row['live_lar']:>10.4f}{row['ok']:>5}  {row['output_digest']}")
+    print("   outputs identical" if result["outputs_identical"] else
+          "   outputs differ (see the README: the placement regroups the bf16 partial sums)")
+    print(f"2. simulated EP {result['ep_size']} on one device (TP mode): nothing moves, activations counted")
+    print(f"{'method':<10}{'replayed_lar':>14}{'offline_replay_lar':>20}{'tokens':>8}")
+    for name, row in rows.items():
+        sim = row["simulated_ep"]
+        print(f"{name:<10}{sim['replayed_lar']:>14.4f}{sim['offline_replay_lar']:>20.4f}{sim['tokens']:>8}")
+    print(f"Sem-MoE moves {sem['moe_bytes_per_token'] / van['moe_bytes_per_token']:.3f}x vanilla's MoE bytes per token "
+          f"(executed EP {result['executed_dp']}); simulated EP {result['ep_size']} LAR "
+          f"{sem['simulated_ep']['replayed_lar'] / van['simulated_ep']['replayed_lar']:.2f}x vanilla's; "
+          f"finished in {result['wall_s']:.0f} s")
     if args.json:
         write_json(args.json, result)
     return 0
 
 
 def cmd_bench_serve(args) -> int:
-    from ..vllm_adapter.bench_serve import run_bench_serve
+    from ..vllm_adapter.bench_serve import POLICIES, run_bench_serve
 
-    result = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
-                             policy=args.policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
-                             max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                             dp_slack=args.dp_slack, dp_price_step=args.dp_price_step)
-    print(f"bench-serve: policy {result['policy']}, DP {result['dp']} + EP, {result['num_prompts']} ShareGPT "
-          f"prompts at concurrency {result['concurrency']}")
-    print(f"  ok {result['ok']}, failed {result['failed']}; live LAR {result['live_lar']:.4f}; "
-          f"prompt tokens per rank {result['rank_prompt_tokens']} (max/mean {result['rank_imbalance']:.3f}); "
-          f"TTFT p50 {result['ttft_p50_s']:.3f} s; throughput {result['throughput_tok_s']:.1f} tok/s")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise SystemExit(f"semmoe bench-serve: --policy takes policies from {', '.join(POLICIES)} "
+                         f"(comma-separated), got {args.policy!r}")
+    runs = []
+    for policy in policies:  # back to back, the same prompts
+        runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
+                                    policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                                    max_tokens=args.max_tokens, profile_trace=args.profile_trace,
+                                    dp_slack=args.dp_slack, dp_price_step=args.dp_price_step))
+    first = runs[0]
+    print(f"bench-serve: DP {first['dp']} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
+          f"{first['concurrency']}, {first['max_tokens']} tokens each; MoE bytes counted by the engines")
+    base = runs[0]["moe_bytes_per_token"]
+    print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
+          f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
+    for r in runs:
+        print(f"{r['policy']:<16}{r['ok']:>5}{r['failed']:>7}{r['moe_bytes_per_token']:>13.0f}"
+              f"{r['moe_bytes_per_token'] / base if base else float('nan'):>11.3f}x{r['live_lar']:>10.4f}"
+              f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['tpot_s']:>8.3f}{r['throughput_tok_s']:>8.1f}"
+              f"  {r['output_digest']}")
+    same = len({r["output_digest"] for r in runs}) == 1
+    if len(runs) > 1:
+        print("outputs identical across policies" if same else "OUTPUTS DIFFER across policies (see the digests)")
     if args.json:
-        write_json(args.json, result)
-    return 0 if result["failed"] == 0 else 1
+        write_json(args.json, {"runs": {r["policy"]: r for r in runs}, "outputs_identical": same})
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -249,12 +281,14 @@ def add_parsers(sub) -> None:
                        add_help=False)
     p.set_defaults(func=None)
 
-    p = sub.add_parser("bench-serve", help="DP serving benchmark: Sem-MoE vs vLLM request routing")
+    p = sub.add_parser("bench-serve", help="DP + EP serving benchmark: engine-counted MoE bytes, LAR and latency per policy")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel size (expert parallel over all ranks)")
-    p.add_argument("--policy", choices=("semmoe", "vllm"), default="semmoe",
-                   help="request routing: Sem-MoE's (mode dp) or vLLM's own balancer")
+    p.add_argument("--policy", default="vllm,sparse,placement-only,semmoe",
+                   help="comma-separated, run back to back on the same prompts: vllm (stock, metered), sparse "
+                        "(stock placement and routing, sparse EP dispatch), placement-only (Sem-MoE placement, "
+                        "sparse dispatch), semmoe (Sem-MoE placement and DP routing, sparse dispatch)")
     p.add_argument("--num-prompts", type=int, default=200, help="requests sent")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
@@ -273,7 +307,8 @@ def add_parsers(sub) -> None:
     add_bench_ep_arguments(p)
     p.set_defaults(func=cmd_bench_ep)
 
-    p = sub.add_parser("demo", help="the whole pipeline on the embedded model: profile, solve, serve, live vs predicted LAR")
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded model: profile, solve, serve on executed "
+                                    "EP (engine-counted bytes) and simulated EP 8")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
     p.add_argument("--ep", type=int, default=8, help="expert-parallel size simulated")

@@ -2,14 +2,25 @@
 
 Starts ``semmoe serve`` with data parallelism and expert parallelism on loopback, sends a
 bounded number of streamed completions at a fixed concurrency, stops the server, and reports
-requests ok/failed, TTFT, throughput, and — from the engines' own routing captures — live LAR
-and the prompt tokens each DP rank actually processed.
+requests ok/failed, TTFT, TPOT, throughput, a digest of the generated text, and, from the
+engines' own counters: the MoE bytes they moved per token (:mod:`.ep_dispatch`), live LAR
+(from the routing the engines ran) and the prompt tokens each DP rank processed.
+
+Policies (:data:`POLICIES`), what users would choose between:
+
+- ``vllm``: stock vLLM (identity placement, vLLM's request balancer, its all-gather /
+  reduce-scatter MoE dispatch), metered only;
+- ``sparse``: as ``vllm`` but with the sparse EP dispatch (each token sent only to the ranks
+  holding its experts): the saving of the dispatch alone;
+- ``placement-only``: Sem-MoE's placement with the sparse dispatch, vLLM's request balancer;
+- ``semmoe``: Sem-MoE's placement and request routing (mode ``dp``) with the sparse dispatch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -41,14 +52,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: policy -> (placement method, plugin mode, MoE dispatch)
+POLICIES = {
+    "vllm": ("vanilla", "placement-only", "vllm"),
+    "sparse": ("vanilla", "placement-only", "sparse"),
+    "placement-only": ("semmoe", "placement-only", "sparse"),
+    "semmoe": ("semmoe", "dp", "sparse"),
+}
+
+
 def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: float = 300) -> dict:
-    """One streamed ``/v1/completions`` request: ``{"ok", "ttft_s", "latency_s", "tokens"}``."""
+    """One streamed ``/v1/completions`` request: ``{"ok", "ttft_s", "latency_s", "tokens", "text"}``."""
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(base + "/v1/completions", json.dumps(payload).encode(),
                                      {"Content-Type": "application/json"})
     start = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, text = None, 0, []
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             for raw in response:
@@ -56,11 +76,14 @@ def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: f
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - start
+                if chunk.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(chunk["choices"][0].get("text", ""))
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        return {"ok": ttft is not None, "ttft_s": ttft, "latency_s": time.perf_counter() - start, "tokens": tokens}
+        return {"ok": ttft is not None, "ttft_s": ttft, "latency_s": time.perf_counter() - start, "tokens": tokens,
+                "text": "".join(text)}
     except urllib.error.HTTPError as exc:
         return {"ok": False, "error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}"}
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -72,9 +95,9 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 300, dp_slack: float | None = None,
                     dp_price_step: float | None = None) -> dict:
-    """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (``semmoe`` or ``vllm``)."""
-    if policy not in ("semmoe", "vllm"):
-        raise ValueError(f"policy must be 'semmoe' or 'vllm', got {policy!r}")
+    """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (one of :data:`POLICIES`)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     os.makedirs(workdir, exist_ok=True)
     if profile_trace is None:
         from .workflows import profile
@@ -83,9 +106,10 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
         if not os.path.exists(profile_trace):
             profile(model, dataset, profile_prompts, profile_trace, skip=skip)
     trace = load_trace(profile_trace)
-    method, mode = ("semmoe", "dp") if policy == "semmoe" else ("vanilla", "placement-only")
-    tables_dir = os.path.join(workdir, f"tables_{policy}_dp{dp}")
-    build_tables(trace, get_policy(method).solve(trace, dp, mode="dp"), mode="dp").save(tables_dir)
+    method, mode, dispatch = POLICIES[policy]
+    tables_dir = os.path.join(workdir, f"tables_{method}_dp{dp}")
+    if not os.path.isdir(tables_dir):
+        build_tables(trace, get_policy(method).solve(trace, dp, mode="dp"), mode="dp").save(tables_dir)
     capture = os.path.join(workdir, f"served_{policy}.npz")
     for stale in glob.glob(capture.replace(".npz", ".dp*")):
         os.remove(stale)
@@ -98,7 +122,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
            "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
-           "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--capture", capture]
+           "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--dispatch", dispatch,
+           "--capture", capture]
     if dp_slack is not None:
         cmd += ["--dp-slack", str(dp_slack)]
     if dp_price_step is not None:
@@ -115,9 +140,38 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
                                     total=len(prompts), desc=f"[bench-serve] {policy} requests", file=sys.stderr))
             wall = time.perf_counter() - start
             time.sleep(1.0)  # let the engines finish writing their counters
+            metrics = scrape_metrics(base)
         finally:
             stop_server(server)
-    return _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
+    summary = _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
+    summary["metrics"] = metrics
+    return summary
+
+
+def scrape_metrics(base: str) -> dict:
+    """The server's ``vllm:semmoe_*`` counters from ``/metrics``, summed over DP ranks:
+    ``{"moe_bytes_total": {op: bytes}, "local_activations_total": n, "remote_activations_total": n}``
+    (empty when the server exports none)."""
+    out: dict = {}
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        _say(f"could not read {base}/metrics: {exc}")
+        return out
+    for line in text.splitlines():
+        if not line.startswith("vllm:semmoe_") or "_created" in line.split(" ")[0]:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        name = name.removeprefix("vllm:semmoe_")
+        if name == "moe_bytes_total":
+            op = labels.split('op="', 1)[1].split('"', 1)[0]
+            out.setdefault(name, {}).setdefault(op, 0)
+            out[name][op] += int(float(value))
+        elif name in ("local_activations_total", "remote_activations_total"):
+            out[name] = out.get(name, 0) + int(float(value))
+    return out
 
 
 def _fit(model: str, prompts: list[str], budget: int) -> list[list[int]]:
@@ -158,7 +212,8 @@ def stop_server(server) -> None:
 
 def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
     ok = [r for r in results if r.get("ok")]
-    rank_prompt_tokens, local, remote = [], 0, 0
+    rank_prompt_tokens, local, remote, tokens = [], 0, 0, 0
+    traffic = dict.fromkeys(("dispatch_bytes", "combine_bytes", "metadata_bytes"), 0)
     for rank in range(dp):
         path = capture.replace(".npz", f".dp{rank}.npz") + ".live.json"
         if not os.path.exists(path):
@@ -168,18 +223,31 @@ def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max
         local += live["local_activations"]
         remote += live["remote_activations"]
         rank_prompt_tokens.append(int(live["prompt_tokens"]))
+        tokens += int(live["tokens"])
+        if "moe_traffic" not in live:
+            raise RuntimeError(f"engine {rank} counted no MoE traffic ({path}); is it DP + EP?")
+        for key in traffic:
+            traffic[key] += int(live["moe_traffic"][key])
     loads = np.asarray(rank_prompt_tokens, float)
+    tpots = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    digest = hashlib.sha256(json.dumps([r.get("text") for r in results]).encode()).hexdigest()[:16]
     return {
         "policy": policy,
         "dp": dp,
         "ok": len(ok),
         "failed": len(results) - len(ok),
+        "moe_bytes_per_token": sum(traffic.values()) / max(tokens, 1),
+        "moe_bytes": traffic,
+        "tokens": tokens,
         "live_lar": local / max(local + remote, 1),
         "rank_prompt_tokens": rank_prompt_tokens,
         "rank_imbalance": float(loads.max() / loads.mean()) if loads.sum() else float("nan"),
         "ttft_p50_s": float(np.median([r["ttft_s"] for r in ok])) if ok else float("nan"),
         "ttft_p99_s": float(np.percentile([r["ttft_s"] for r in ok], 99)) if ok else float("nan"),
+        "tpot_s": float(np.median(tpots)) if tpots else float("nan"),
         "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "output_digest": digest,
+        "outputs": [r.get("text") for r in results],
         "wall_s": wall,
         "num_prompts": num_prompts,
         "concurrency": concurrency,

@@ -212,14 +212,16 @@ class DpLiveCounters:
     and steps.
     """
 
-    def __init__(self, path: str, dp_rank: int, dp_size: int, num_experts: int, ep_size: int):
+    def __init__(self, path: str, dp_rank: int, dp_size: int, num_experts: int, ep_size: int,
+                 traffic: dict | None = None):
         self.path = path
+        self.traffic = traffic  # the engine's MoE exchange counters (read, written with the rest)
         self.dp_rank = dp_rank
         group = ep_size // dp_size
         per_device = num_experts // ep_size
         self.first_slot = dp_rank * group * per_device
         self.end_slot = (dp_rank + 1) * group * per_device
-        self.local = self.remote = self.prompt_tokens = self.tokens = 0
+        self.local = self.remote = self.prompt_tokens = self.tokens = self.steps = 0
 
     def update(self, physical_experts: np.ndarray, prompt_tokens: int, steps: int) -> None:
         local = int(((physical_experts >= self.first_slot) & (physical_experts < self.end_slot)).sum())
@@ -227,9 +229,16 @@ class DpLiveCounters:
         self.remote += physical_experts.size - local
         self.prompt_tokens += prompt_tokens
         self.tokens += physical_experts.shape[0]
-        payload = {"dp_rank": self.dp_rank, "steps": steps, "tokens": self.tokens,
+        self.steps = steps
+        self.write()
+
+    def write(self) -> None:
+        """Write the counters (atomically: readers never see half a file)."""
+        payload = {"dp_rank": self.dp_rank, "steps": self.steps, "tokens": self.tokens,
                    "prompt_tokens": self.prompt_tokens, "local_activations": self.local,
                    "remote_activations": self.remote, "lar": self.local / max(self.local + self.remote, 1)}
+        if self.traffic is not None:
+            payload["moe_traffic"] = dict(self.traffic)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)

@@ -28,6 +28,7 @@ _MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _CORE_CLIENT = "vllm.v1.engine.core_client"
 _PARALLEL = "vllm.distributed.parallel_state"
+_NAIVE_DP_EP = "vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep"
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Internal:
             ``attribute`` (set on instances as ``self.<name> = ...``, a class field or a
             property; ``params`` empty).
         params: the parameter names the adapter passes or receives, in order.
-        needed_by: the features that use it (``all``, ``capture``, ``tp``, ``dp``, ``cpu``).
+        needed_by: the features that use it (``all``, ``capture``, ``tp``, ``dp``, ``cpu``; several
+            joined by ``", "``).
         why: what the adapter does with it.
         mentions: names the definition must mention (e.g. parameters it registers by name).
     """
@@ -113,7 +115,7 @@ INTERNALS: tuple[Internal, ...] = (
              "function", ("self", "hidden_states", "router_logits"), needed_by="tp",
              why="expert choice on this rank's slice"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.forward_modular", "function",
-             ("self", "x", "topk_weights", "topk_ids"), needed_by="tp",
+             ("self", "x", "topk_weights", "topk_ids"), needed_by="tp, dp",
              why="this rank's experts on its own and received rows"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.global_num_experts",
              "attribute", why="expert count"),
@@ -126,6 +128,10 @@ INTERNALS: tuple[Internal, ...] = (
     # model runner: real forward steps, capture, flush
     Internal(_RUNNER, "GPUModelRunner._model_forward", "function", ("self", "input_ids", "positions"),
              needed_by="capture", why="hooked: open/close the step context around real steps"),
+    Internal("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch", "function", ("self",), needed_by="dp",
+             why="hooked: the dummy batches an idle DP rank runs in lock-step count in the MoE counters"),
+    Internal("vllm.v1.worker.gpu_worker", "Worker.model_runner", "attribute", needed_by="dp",
+             why="the engine state of a worker"),
     Internal(_RUNNER, "GPUModelRunner.get_model", "function", ("self",), why="the engine's model (its state key)"),
     Internal(_RUNNER, "GPUModelRunner.shutdown", "function", ("self",), needed_by="capture",
              why="hooked: write the capture when the engine stops"),
@@ -155,9 +161,30 @@ INTERNALS: tuple[Internal, ...] = (
              ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib", "dispatch_key"),
              why="registers the plugin's opaque ops"),
     # collectives
-    Internal(_PARALLEL, "get_ep_group", "function", (), needed_by="tp", why="EP group of the shuffle"),
+    Internal(_PARALLEL, "get_ep_group", "function", (), needed_by="tp, dp",
+             why="EP group of the shuffle and of the sparse dispatch"),
     Internal(_PARALLEL, "get_tp_group", "function", (), needed_by="tp", why="TP group (shuffled reduce-scatter)"),
     Internal(_PARALLEL, "get_tensor_model_parallel_rank", "function", (), why="TP rank 0 writes the capture"),
+    Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.moe_kernel",
+             "attribute", needed_by="dp", why="the layer's modular kernel (its prepare/finalize stage)"),
+    Internal("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.impl", "attribute",
+             needed_by="dp", why="holds the prepare/finalize stage"),
+    Internal("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernelModularImpl.prepare_finalize",
+             "attribute", needed_by="dp", why="replaced by the sparse EP stage, or metered"),
+    Internal(_NAIVE_DP_EP, "MoEPrepareAndFinalizeNaiveDPEPModular.prepare", "function",
+             ("self", "a1", "topk_weights", "topk_ids", "num_experts", "expert_map",
+              "apply_router_weight_on_input", "quant_config"), needed_by="dp",
+             why="the all-gather dispatch the sparse stage replaces (same signature)"),
+    Internal(_NAIVE_DP_EP, "MoEPrepareAndFinalizeNaiveDPEPModular.finalize", "function",
+             ("self", "output", "fused_expert_output", "topk_weights", "topk_ids",
+              "apply_router_weight_on_input", "weight_and_reduce_impl"), needed_by="dp",
+             why="the reduce-scatter combine the sparse stage replaces (same signature)"),
+    Internal(_NAIVE_DP_EP, "_quantize_and_setup_dispatch", "function", ("a1", "quant_config", "defer_input_quant"),
+             needed_by="dp", why="activation quantization before the dispatch, as vLLM's stage does it"),
+    Internal("vllm.model_executor.layers.fused_moe.topk_weight_and_reduce", "TopKWeightAndReduceDelegate",
+             "attribute", needed_by="dp", why="finalize: the experts left the top-k reduction to the stage"),
+    Internal("vllm.model_executor.layers.fused_moe.topk_weight_and_reduce", "TopKWeightAndReduceContiguous",
+             "attribute", needed_by="dp", why="finalize: top-k reduction of contiguous expert outputs"),
     Internal(_PARALLEL, "model_parallel_is_initialized", "function", (), why="TP rank when not distributed"),
     Internal(_PARALLEL, "GroupCoordinator.reduce_scatterv", "function", ("self", "input_", "dim", "sizes"),
              needed_by="tp", why="shuffled reduce-scatter"),
@@ -333,6 +360,43 @@ def use_opaque_moe_op(runner) -> None:
     runner._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
 
 
+def prepare_finalize(experts):
+    """The prepare/finalize stage of ``experts``' modular kernel (``None``: no modular kernel)."""
+    kernel = getattr(experts.quant_method, "moe_kernel", None)
+    return None if kernel is None else kernel.impl.prepare_finalize
+
+
+def set_prepare_finalize(experts, stage) -> None:
+    experts.quant_method.moe_kernel.impl.prepare_finalize = stage
+
+
+def is_allgather_stage(stage) -> bool:
+    """Whether ``stage`` is vLLM's all-gather / reduce-scatter DP + EP stage (modular kernels)."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import (
+        MoEPrepareAndFinalizeNaiveDPEPModular)
+
+    return type(stage) is MoEPrepareAndFinalizeNaiveDPEPModular
+
+
+def quantize_for_dispatch(a1, quant_config, defer_input_quant: bool):
+    """``(a1q, a1q_scale)``: the activations as vLLM's DP + EP stage quantizes them for dispatch."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import _quantize_and_setup_dispatch
+
+    a1q, _, a1q_scale = _quantize_and_setup_dispatch(a1, quant_config, defer_input_quant)
+    return a1q, a1q_scale
+
+
+def weight_and_reduce(impl, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+    """``[M, H]``: the experts' output reduced over each row's top-k (as vLLM's stage does it)."""
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+        TopKWeightAndReduceContiguous, TopKWeightAndReduceDelegate)
+
+    if isinstance(impl, TopKWeightAndReduceDelegate):
+        impl = TopKWeightAndReduceContiguous()
+    return impl.apply(output=None, fused_expert_output=fused_expert_output, topk_weights=topk_weights,
+                      topk_ids=topk_ids, apply_router_weight_on_input=apply_router_weight_on_input)
+
+
 def moe_forward_eager(runner, hidden_states, router_logits):
     """vLLM's own MoE layer forward (all-reduce included), run eagerly."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
@@ -430,6 +494,13 @@ def tp_rank() -> int:
 
 
 # ---- DP load balancer -----------------------------------------------------------------------
+def worker_class():
+    """vLLM's worker class (the CPU worker inherits from it)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
 def dp_client_class():
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from ..tables import SemMoETables, TablesError, load_tables
 
 MODES = ("placement-only", "tp", "dp")
-KEYS = ("tables", "capture", "mode", "dp_slack", "dp_price_step")
+#: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
+#: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
+DISPATCHES = ("vllm", "sparse")
+KEYS = ("tables", "capture", "mode", "dispatch", "dp_slack", "dp_price_step")
 
 
 class SemMoEConfigError(ValueError):
@@ -28,6 +31,8 @@ class SemMoEConfig:
             :func:`vllm_semmoe.trace.load_trace` reads it as one trace.
         mode: ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data
             the Sem-MoE way and meter live LAR accordingly).
+        dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
+            ``dp`` where the layout allows it (DP > 1, TP 1, expert parallelism), else ``vllm``.
         dp_slack: ``dp`` mode balance guard: never choose a rank whose queue score (vLLM's:
             in-flight plus queued requests) exceeds the least-loaded rank's by more than this.
         dp_price_step: ``dp`` mode token-balance price step (see ``scheduling.dp_choose``).
@@ -36,6 +41,7 @@ class SemMoEConfig:
     tables: str | None = None
     capture: str | None = None
     mode: str = "placement-only"
+    dispatch: str | None = None
     dp_slack: float = 8.0
     dp_price_step: float = 0.1
 
@@ -57,12 +63,15 @@ class SemMoEConfig:
                 f"unknown key(s) {', '.join(unknown)} in additional_config['semmoe'] "
                 f"(valid keys: {', '.join(KEYS)})"
             )
-        for key in ("mode", "tables", "capture"):
+        for key in ("mode", "tables", "capture", "dispatch"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise SemMoEConfigError(f"semmoe {key} must be a string, got {raw[key]!r}")
         mode = raw.get("mode", "placement-only")
         if mode not in MODES:
             raise SemMoEConfigError(f"semmoe mode must be one of {', '.join(MODES)}, got {mode!r}")
+        dispatch = raw.get("dispatch")
+        if dispatch is not None and dispatch not in DISPATCHES:
+            raise SemMoEConfigError(f"semmoe dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         tables = raw.get("tables")
         if tables is not None and not os.path.isdir(tables):
             raise SemMoEConfigError(f"semmoe tables directory not found: {tables}")
@@ -75,8 +84,8 @@ class SemMoEConfig:
                 raise SemMoEConfigError(f"semmoe capture must be a file path like routing.npz, got {capture!r}")
             if not os.path.isdir(parent):
                 raise SemMoEConfigError(f"semmoe capture path's directory does not exist: {parent}")
-        if tables is None and capture is None:
-            raise SemMoEConfigError("additional_config['semmoe'] sets neither 'tables' nor 'capture'")
+        if tables is None and capture is None and dispatch is None:
+            raise SemMoEConfigError("additional_config['semmoe'] sets none of 'tables', 'capture', 'dispatch'")
         numbers = {}
         for key in ("dp_slack", "dp_price_step"):
             if key in raw:
@@ -84,12 +93,22 @@ class SemMoEConfig:
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                     raise SemMoEConfigError(f"semmoe {key} must be a number >= 0, got {value!r}")
                 numbers[key] = float(value)
-        return cls(tables=tables, capture=capture, mode=mode, **numbers)
+        return cls(tables=tables, capture=capture, mode=mode, dispatch=dispatch, **numbers)
 
     @property
     def records(self) -> bool:
         """Whether engines keep a routing recorder (for the capture file or live metering)."""
         return self.capture is not None or self.mode != "placement-only"
+
+    def resolved_dispatch(self, parallel_config) -> str | None:
+        """The dispatch the engine runs: ``sparse``, ``vllm``, or ``None`` when the layout has no
+        DP + EP dispatch at all (DP 1 or no expert parallelism)."""
+        dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
+        if dp < 2 or not getattr(parallel_config, "enable_expert_parallel", False):
+            return None
+        if self.dispatch is not None:
+            return self.dispatch
+        return "sparse" if self.mode == "dp" and tp == 1 else "vllm"
 
     def check_parallel(self, parallel_config) -> None:
         """Refuse a mode the parallel layout cannot run (``dp``: DP > 1 with expert
@@ -101,6 +120,11 @@ class SemMoEConfig:
             raise SemMoEConfigError(
                 f"semmoe mode 'dp' routes requests over data-parallel ranks: add --data-parallel-size N "
                 f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
+        if self.dispatch == "sparse" and (dp < 2 or tp != 1 or not ep):
+            raise SemMoEConfigError(
+                f"semmoe dispatch 'sparse' exchanges tokens between data-parallel ranks: it needs "
+                f"--data-parallel-size N (N >= 2), --tensor-parallel-size 1 and --enable-expert-parallel "
+                f"({running})")
         if self.mode == "tp" and (tp < 2 or not ep):
             raise SemMoEConfigError(
                 f"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add --tensor-parallel-size N "

@@ -181,6 +181,8 @@ class Resolver:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
                 return _function(node, module)
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return Found("attribute", module)
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
                 return Found("attribute", module)
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
@@ -274,7 +276,7 @@ FEATURES = {  # mode -> the needed_by groups it uses
 LAYOUTS = (
     "placement-only, capture: TP x DP (x EP) of any size",
     "mode tp: TP > 1 with --enable-expert-parallel and DP 1 (token shuffle); TP 1: metering only",
-    "mode dp: DP > 1 (API-server rank choice), with or without TP and EP",
+    "mode dp: DP > 1 (API-server rank choice), with or without TP and EP; sparse EP dispatch with EP and TP 1",
     "refused at start in every mode: pipeline parallelism, prefill/decode context parallelism",
 )
 
@@ -293,7 +295,8 @@ def report(results: list[Result], version: str, where: str) -> tuple[list[str], 
         elif status != "ok":
             ok = False
         lines.append(f"  {r.internal.name:<{width}}  {status:<12} {r.detail}")
-    broken = {r.internal.needed_by for r in results if r.needed and not (r.present and r.compatible)}
+    broken = {group for r in results if r.needed and not (r.present and r.compatible)
+              for group in r.internal.needed_by.split(", ")}
     modes = [m for m, groups in FEATURES.items() if supported and not broken & set(groups)]
     lines.append("modes: " + (", ".join(modes) if modes else "none"))
     cpu = compat.is_cpu_build(version)

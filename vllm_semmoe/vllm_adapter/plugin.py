@@ -138,6 +138,13 @@ def check_layout(config, vllm_config) -> None:
             f"semmoe: mode 'tp' with data parallelism (TP {layout['tp']} x DP {layout['dp']} + EP) is not "
             "supported: the token shuffle exchanges rows within a TP group, but the EP group spans "
             "DP x TP. Use --data-parallel-size 1 with mode 'tp', or mode 'dp' for data-parallel serving.")
+    config.check_parallel(vllm_config.parallel_config)
+    if config.mode == "dp" and config.resolved_dispatch(vllm_config.parallel_config) == "vllm":
+        logger.warning(
+            "semmoe: mode 'dp' with vLLM's own MoE dispatch: on a backend that all-gathers tokens "
+            "(allgather_reducescatter, the CPU build's) a higher local activation rate moves no fewer "
+            "bytes; serve with TP 1 and the sparse dispatch (the default in mode dp), or an all-to-all "
+            "backend (--all2all-backend deepep_low_latency, pplx, flashinfer_all2allv, ...)")
 
 
 def check_compilation(config, vllm_config) -> None:
@@ -146,7 +153,8 @@ def check_compilation(config, vllm_config) -> None:
     from .config import SemMoEConfigError
     from .ops import CAPTURE_SPLITTING_OPS, SPLITTING_OPS
 
-    if not (config.records or config.mode == "tp"):
+    if not (config.records or config.mode == "tp"
+            or config.resolved_dispatch(vllm_config.parallel_config) == "sparse"):
         return  # placement only: nothing runs per step
     settings = compat.compilation(vllm_config)
     graphs = settings["cudagraphs"]
@@ -154,7 +162,7 @@ def check_compilation(config, vllm_config) -> None:
         return
     if "FULL" in graphs:
         raise SemMoEConfigError(
-            f"semmoe: routing capture and mode {config.mode!r} run Python on every step, which full CUDA "
+            f"semmoe: routing capture, mode {config.mode!r} and the sparse dispatch run Python on every step, which full CUDA "
             f"graphs (cudagraph_mode={graphs}) cannot replay. Serve with "
             "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (the plugin's ops then run "
             "between graph pieces, like attention) or --enforce-eager.")
@@ -176,7 +184,6 @@ def validate_against_model(config, vllm_config) -> None:
                         if getattr(hf, k, None)), None)
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
-    config.check_parallel(vllm_config.parallel_config)
     config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
                        ep_size=expert_parallel_size(vllm_config.parallel_config))
 
@@ -234,9 +241,28 @@ def build_state(model, config, vllm_config) -> SemMoEState:
             if runner.layer_name not in state.fused:
                 ops.install_moe_op(runner, runner.layer_name)
         warm_up_scheduler(state.tables, ep_size)
+    install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
     if config.records:  # flush at interpreter exit too (holds the state weakly)
         atexit.register(_flush_at_exit, weakref.ref(state))
     return state
+
+
+def install_dispatch(runners: list, state: SemMoEState, dispatch: str | None) -> None:
+    """DP + EP: give the MoE layers the sparse dispatch, or meter vLLM's own (when recording)."""
+    from .ep_dispatch import install_dispatch_meter, install_sparse_dispatch
+
+    if dispatch is None or (dispatch == "vllm" and state.recorder is None):
+        return
+    install = install_sparse_dispatch if dispatch == "sparse" else install_dispatch_meter
+    for runner in runners:
+        install(runner, state.moe_counters)
+    state.dispatch = dispatch
+    from .metrics import EngineMetrics
+
+    if EngineMetrics.available():
+        state.metrics = EngineMetrics(state.parallel[2])
+    logger.info("semmoe: %s MoE dispatch on %d MoE layers", "sparse EP" if dispatch == "sparse" else
+                "vLLM's all-gather (metered)", len(runners))
 
 
 def warm_up_scheduler(tables, ep_size: int) -> None:
@@ -297,7 +323,7 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
 
         recorder.dp_counters = DpLiveCounters(
             dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
-            parallel.data_parallel_size, recorder.num_experts, tables.ep_size)
+            parallel.data_parallel_size, recorder.num_experts, tables.ep_size, traffic=state.counters)
     if tables is not None:
         from .capture import LiveMeter
 
@@ -339,20 +365,47 @@ def _patch_model_runner() -> None:
         # Only real engine steps come through here (warm-up and profiling runs call the model
         # directly), so the recorder and the TP shuffle see nothing else.
         state = _runner_state(self)
-        if state is None or state.recorder is None:
+        if state is None:
             return model_forward(self, input_ids, positions, *args, **kwargs)
-        begin_step(self, state, input_ids, positions)
+        state.in_step = True  # the MoE counters count real steps only
         try:
-            output = model_forward(self, input_ids, positions, *args, **kwargs)
-        except BaseException:
-            state.recorder.abort_forward()
-            raise
+            if state.recorder is None:
+                output = model_forward(self, input_ids, positions, *args, **kwargs)
+            else:
+                begin_step(self, state, input_ids, positions)
+                try:
+                    output = model_forward(self, input_ids, positions, *args, **kwargs)
+                except BaseException:
+                    state.recorder.abort_forward()
+                    raise
+                finally:
+                    state.end_step()
+                state.recorder.end_forward()
         finally:
-            state.end_step()
-        state.recorder.end_forward()
+            state.in_step = False
+        publish_counters(state)
         return output
 
     GPUModelRunner._model_forward = patched_model_forward
+
+    worker_class = compat.worker_class()
+    execute_dummy_batch = worker_class.execute_dummy_batch
+
+    @functools.wraps(execute_dummy_batch)
+    def patched_execute_dummy_batch(self, *args, **kwargs):
+        # An idle DP rank runs a dummy batch in lock-step with the ranks that serve; its MoE
+        # layers take part in their dispatch and combine, so the counters count it too.
+        state = _runner_state(getattr(self, "model_runner", None))
+        if state is None or state.dispatch is None:
+            return execute_dummy_batch(self, *args, **kwargs)
+        state.in_step = True
+        try:
+            return execute_dummy_batch(self, *args, **kwargs)
+        finally:
+            state.in_step = False
+            publish_counters(state)
+
+    worker_class.execute_dummy_batch = patched_execute_dummy_batch
 
     shutdown = GPUModelRunner.shutdown
 
@@ -368,6 +421,14 @@ def _patch_model_runner() -> None:
         return shutdown(self, *args, **kwargs)
 
     GPUModelRunner.shutdown = patched_shutdown
+
+
+def publish_counters(state: SemMoEState) -> None:
+    """After a step: the MoE counters to ``/metrics`` and to the live counters file."""
+    if state.metrics is not None:
+        state.metrics.update(state.counters)
+    if state.dispatch is not None and state.recorder is not None and state.recorder.dp_counters is not None:
+        state.recorder.dp_counters.write()
 
 
 def _runner_state(runner) -> SemMoEState | None:
@@ -422,8 +483,10 @@ def flush_state(state: SemMoEState) -> dict:
     recorder.drain()
     tp_size, dp_size, dp_rank, _ = state.parallel
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
-    if state.counters["layers_run"]:
+    if state.counters["layers_run"] and state.shuffles:
         summary["tp_shuffle"] = dict(state.counters)
+    if state.dispatch is not None:
+        summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
     if recorder.meter is not None:
         summary["live"] = recorder.meter.result()
     if recorder.store is not None:

@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
-#: counters of the TP shuffle, summed over the MoE layers of one engine
-TP_COUNTER_KEYS = ("dispatch_bytes", "combine_bytes", "local_activations", "remote_activations",
-                   "tokens", "layers_run", "fused_layers_run", "schedule_s", "host_sync_s", "moe_layer_s")
+#: counters of the MoE layers' exchange (TP shuffle, sparse or metered DP dispatch), summed over
+#: the MoE layers of one engine; bytes as in :mod:`.ep_dispatch`
+MOE_COUNTER_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "local_activations",
+                    "remote_activations", "tokens", "layers_run", "fused_layers_run", "schedule_s",
+                    "host_sync_s", "moe_layer_s")
 
 
-def new_tp_counters() -> dict:
-    return {key: 0 for key in TP_COUNTER_KEYS}
+def new_moe_counters() -> dict:
+    return {key: 0 for key in MOE_COUNTER_KEYS}
 
 
 class StepContext:
@@ -40,7 +42,7 @@ class StepContext:
         rows: ``[B]`` int64 table row of each token of the step (``-1``: unseen token).
         major: layer -> ``[B]`` EP rank holding most of each token's experts (TP-shuffle history).
         recorder: the engine's routing recorder (``None``: not recording).
-        counters: the engine's TP-shuffle counters (a dict of :data:`TP_COUNTER_KEYS`).
+        counters: the engine's MoE exchange counters (a dict of :data:`MOE_COUNTER_KEYS`).
     """
 
     def __init__(self, tokens: np.ndarray, tables, recorder, counters: dict):
@@ -62,7 +64,15 @@ class SemMoEState:
         tp_layers: MoE layer name -> :class:`~.tp_shuffle.TpShuffleLayer` (``tp`` mode).
         fused: MoE layer name -> weak reference to its decoder layer, for the decoder layers that
             run the fused shuffled reduce-scatter / all-gather.
-        counters: TP-shuffle byte / activation / time counters of this engine.
+        counters: MoE exchange byte / activation / time counters of this engine, counted in its
+            real steps (warm-up, profiling and the dummy batches an idle DP rank runs to stay in
+            lock-step go to a scratch dict).
+        dispatch: how the MoE layers exchange tokens under DP + EP: ``"sparse"`` (the project's
+            EP exchange), ``"vllm"`` (vLLM's all-gather / reduce-scatter, metered) or ``None``
+            (no DP + EP all-gather dispatch in this engine).
+        in_step: whether a real step is running (what the counters count).
+        metrics: the :class:`~.metrics.EngineMetrics` exporting ``counters`` on ``/metrics``
+            (``None``: no API server can read this process's counters).
         step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
         flushed_steps / flushed_summary: what the last :func:`~.plugin.flush_capture` wrote.
         dp_router: in an API-server process, the Sem-MoE DP rank chooser (``dp`` mode).
@@ -74,7 +84,10 @@ class SemMoEState:
     recorder: Any = None
     tp_layers: dict = field(default_factory=dict)
     fused: dict = field(default_factory=dict)
-    counters: dict = field(default_factory=new_tp_counters)
+    counters: dict = field(default_factory=new_moe_counters)
+    dispatch: str | None = None
+    in_step: bool = False
+    metrics: Any = None
     step: StepContext | None = None
     flushed_steps: int = -1
     flushed_summary: dict = field(default_factory=dict)
@@ -84,6 +97,10 @@ class SemMoEState:
     def shuffles(self) -> bool:
         """Whether this engine runs the TP token shuffle."""
         return bool(self.tp_layers)
+
+    def moe_counters(self) -> dict:
+        """The dict a MoE layer adds its counts to now: the engine's during a real step."""
+        return self.counters if self.in_step else new_moe_counters()
 
     def begin_step(self, tokens: np.ndarray | None) -> None:
         """Open the step context of a real forward step over ``tokens`` ``[B]``."""

@@ -38,9 +38,9 @@ import torch
 from csrc_triton import sag_unpack, srs_pack
 
 from .. import scheduling
-from ..ep_exchange import EpExchange, send_plan
 from ..tables import SemMoETables
 from . import compat
+from .ep_dispatch import comm_for, routed_exchange
 from .state import StepContext  # noqa: F401  (the step context the hooks pass in)
 
 
@@ -143,7 +143,7 @@ def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepCo
     step.counters["schedule_s"] += time.perf_counter() - start
     mine = slot_token[rank * cap : (rank + 1) * cap]
     mine = _index(mine[mine >= 0], x.device)
-    out_my = routed_on_slice(forward_modular, x.index_select(0, mine), topk_weights.index_select(0, mine),
+    out_my = routed_exchange(forward_modular, x.index_select(0, mine), topk_weights.index_select(0, mine),
                              topk_ids.index_select(0, mine), group, step.counters, shared_experts,
                              shared_experts_input)
     out = torch.zeros((B, *out_my.shape[1:]), dtype=out_my.dtype, device=out_my.device)
@@ -205,7 +205,7 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     # the real gate on this rank's slice (capture is fed below, for all tokens, in token order)
     logits, _ = runner.gate(x_my)
     weights, ids = compat.select_experts(runner, x_my, logits)
-    out_my = routed_on_slice(runner.routed_experts.forward_modular, x_my, weights, ids, group, step.counters)
+    out_my = routed_exchange(runner.routed_experts.forward_modular, x_my, weights, ids, group, step.counters)
     device = x_my.device
     full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(0, _index(token_slot, device))
     start = time.perf_counter()
@@ -215,44 +215,6 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     step.major[layer.layer] = _majority(full_ids, n_local, group.world_size)
     if step.recorder is not None:  # the recorder takes logical ids
         step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids]))
-    return out_my
-
-
-def routed_on_slice(forward_modular, x_my: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group,
-                    counters: dict, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
-    """Routed-expert output rows of this rank's tokens ``x_my`` (physical ``ids`` ``[m, K]``):
-    local activations computed here; each token sent once to every other rank holding one of
-    its experts (:func:`vllm_semmoe.ep_exchange.send_plan`, uneven all-to-all), computed there,
-    partial sums sent back. Bytes are counted from the tensors the exchange moves."""
-    rank, world = group.rank_in_group, group.world_size
-    experts = forward_modular.__self__
-    n_local = int(experts.global_num_experts) // world
-    device = x_my.device
-    dest = ids.long() // n_local  # [m, K] rank holding each chosen expert
-    order, send_counts = send_plan(dest, rank, world)
-    xchg = EpExchange(_comm(group, device))
-    start = time.perf_counter()
-    sends = send_counts.tolist()  # the split sizes: the one host round trip the all-to-all needs
-    counters["host_sync_s"] += time.perf_counter() - start
-    recvs = xchg.exchange_counts(send_counts)
-    recv_x = xchg.dispatch(x_my.index_select(0, order), sends, recvs)
-    recv_ids = xchg.dispatch(ids.index_select(0, order).to(torch.int64), sends, recvs, metadata=True)
-    recv_w = xchg.dispatch(weights.index_select(0, order).float(), sends, recvs, metadata=True)
-
-    # experts: this rank's experts for its own tokens and for the rows it received
-    local_out = forward_modular(x_my, weights, ids, shared_experts, shared_experts_input)
-    remote_out = forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
-        if recv_x.shape[0] else recv_x
-    back = xchg.combine(remote_out, sends, recvs)  # combine: partial sums home
-    out_my = local_out.index_add(0, order, back) if order.numel() else local_out
-
-    local = int((dest == rank).sum())
-    counters["dispatch_bytes"] += xchg.counters.dispatch_bytes
-    counters["combine_bytes"] += xchg.counters.combine_bytes
-    counters["local_activations"] += local
-    counters["remote_activations"] += dest.numel() - local
-    counters["tokens"] += x_my.shape[0]
-    counters["layers_run"] += 1
     return out_my
 
 
@@ -293,10 +255,5 @@ def _all_gather_slices(rows: torch.Tensor, cap: int, group) -> torch.Tensor:
     padded = torch.zeros((cap, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(group.world_size)]
-    dist.all_gather(parts, padded, group=_comm(group, rows.device))
+    dist.all_gather(parts, padded, group=comm_for(group, rows.device))
     return torch.cat(parts)
-
-
-def _comm(group, device: torch.device):
-    """NCCL (the device group) for accelerator tensors, gloo (the CPU group) for CPU tensors."""
-    return group.cpu_group if device.type == "cpu" else group.device_group

@@ -37,17 +37,22 @@ def profile(model: str, dataset: str, num_prompts: int, out: str, *, skip: int =
 
 def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_prompts: int = 300,
          eval_prompts: int = 100, skip: int = 3000, max_tokens: int = 16, batch_tokens: int = 512,
-         seed: int = 0) -> dict:
-    """Profile → solve → serve other prompts with the placement, live LAR vs offline prediction.
+         seed: int = 0, executed_dp: int = 2) -> dict:
+    """Profile → solve → serve other prompts with each placement, twice:
 
-    Both placements (vanilla, semmoe) are applied to the running model (a single device holds
-    all experts, so EP ``ep_size`` is simulated: each token's device and each expert's device
-    come from the tables, and the captured routing is counted against them). ``live_lar`` is
-    measured from the engine's own forward steps; ``predicted_lar`` is ``semmoe eval`` on the
-    same prompts' routing with the offline batching. The engine's step budget
-    (``max_num_batched_tokens``) is set to ``batch_tokens``, the offline batch size, so both
-    schedule batches of the same size.
+    1. **executed EP** (the delivery): the prompts are served by DP ``executed_dp`` + EP engines
+       (one process per rank, :func:`.bench_serve.run_bench_serve`): ``vanilla`` as stock vLLM
+       (identity placement, vLLM's balancer, its all-gather MoE dispatch, metered), ``semmoe``
+       with Sem-MoE's placement, DP routing and the sparse dispatch. Per method:
+       engine-counted ``moe_bytes_per_token``, the engines' ``live_lar``, a digest of the text.
+    2. **simulated EP** ``ep_size`` on one device (TP mode, the paper's EP 8; ``simulated_ep``):
+       the placement applied by the plugin, the routing captured; ``replayed_lar`` is the
+       offline evaluator counted on that capture one engine step at a time, and
+       ``offline_replay_lar`` the same evaluator on the same routing in ``batch_tokens``
+       batches (the engine's step budget is set to that size). Both count; nothing moves.
     """
+    from .bench_serve import run_bench_serve
+
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
     profile_path = os.path.join(workdir, "profile.npz")
@@ -55,36 +60,47 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
     profile_trace = load_trace(profile_path)
     prompts = load_prompts(dataset, eval_prompts, skip=skip + profile_prompts)
     methods = {}
-    for method in ("vanilla", "semmoe"):
+    for method, policy in (("vanilla", "vllm"), ("semmoe", "semmoe")):
+        _say(f"{method}: serving {len(prompts)} other prompts on DP {executed_dp} + EP engines")
+        run = run_bench_serve(model, dataset, os.path.join(workdir, "executed_ep"), dp=executed_dp, policy=policy,
+                              num_prompts=eval_prompts, concurrency=16, max_tokens=max_tokens,
+                              profile_trace=profile_path, profile_prompts=profile_prompts, skip=skip)
+        methods[method] = {key: run[key] for key in (
+            "moe_bytes_per_token", "moe_bytes", "live_lar", "output_digest", "ok", "failed", "tokens",
+            "ttft_p50_s", "throughput_tok_s")}
+
         solve_start = time.perf_counter()
         placement = get_policy(method).solve(profile_trace, ep_size, mode="tp", seed=seed)
         tables_dir = os.path.join(workdir, f"tables_{method}")
         tables = build_tables(profile_trace, placement, mode="tp")
         tables.save(tables_dir)
         solve_s = time.perf_counter() - solve_start
-        _say(f"{method}: placement solved in {solve_s:.1f} s; generating {len(prompts)} other prompts")
+        _say(f"{method}: EP {ep_size} placement solved in {solve_s:.1f} s; generating {len(prompts)} prompts "
+             "on one device")
         capture = os.path.join(workdir, f"served_{method}.npz")
         _, summary = run_prompts(model, prompts, max_tokens=max_tokens,
                                  semmoe={"tables": tables_dir, "capture": capture},
                                  max_num_batched_tokens=batch_tokens, enable_chunked_prefill=True)
         served = load_trace(capture)
-        predicted = evaluate(served, placement, tables if method == "semmoe" else None,
-                             EvalConfig(mode="tp", batch_tokens=batch_tokens))
-        methods[method] = {
-            "live_lar": summary["live"]["lar"],
-            "predicted_lar": predicted["lar"],
-            "live_steps": summary["live"]["steps"],
+        offline = evaluate(served, placement, tables if method == "semmoe" else None,
+                           EvalConfig(mode="tp", batch_tokens=batch_tokens))
+        methods[method]["simulated_ep"] = {
+            "ep_size": ep_size,
+            "replayed_lar": summary["live"]["lar"],
+            "offline_replay_lar": offline["lar"],
+            "engine_steps": summary["live"]["steps"],
             "tokens": served.num_tokens,
             "solve_s": solve_s,
         }
     return {
         "model": model,
+        "executed_dp": executed_dp,
         "ep_size": ep_size,
-        "mode": "tp",
         "profile": {"dataset": dataset, "prompts": profile_prompts, "skip": skip,
                     "tokens": profile_trace.num_tokens},
         "eval": {"prompts": eval_prompts, "skip": skip + profile_prompts, "max_tokens": max_tokens,
                  "batch_tokens": batch_tokens},
         "methods": methods,
+        "outputs_identical": methods["vanilla"]["output_digest"] == methods["semmoe"]["output_digest"],
         "wall_s": time.perf_counter() - start,
     }

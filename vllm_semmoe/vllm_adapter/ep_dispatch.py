@@ -1,0 +1,248 @@
+"""Expert-parallel dispatch of vLLM's MoE layers, and the engine's count of the bytes it moves.
+
+Under data parallelism with expert parallelism, vLLM's modular MoE kernel moves tokens in its
+*prepare/finalize* stage (``FusedMoEPrepareAndFinalize``, the interface DeepEP, pplx and
+flashinfer all2allv plug into). On a backend without all-to-all kernels
+(``allgather_reducescatter``: the CPU build's, and CUDA vLLM's when no other is chosen) that
+stage is ``MoEPrepareAndFinalizeNaiveDPEPModular``: ``prepare`` all-gathers every DP rank's
+routed tokens (hidden states, top-k weights and ids) to every rank, the experts of this rank
+run on all of them, ``finalize`` reduce-scatters the partial sums back. Every token goes
+everywhere, wherever its experts are: a higher local activation rate saves nothing.
+
+:class:`SparsePrepareAndFinalize` is that stage with the project's EP exchange
+(:mod:`vllm_semmoe.ep_exchange`): ``prepare`` sends each token once to every other rank holding
+one of its experts (uneven all-to-all) and hands the experts this rank's own tokens followed by
+the received ones; ``finalize`` returns the received rows' partial sums to their home rank and
+adds them to the local ones. The layer's result is the same sum of the same expert outputs.
+:func:`install_sparse_dispatch` puts it in the MoE layers of one engine;
+:func:`install_dispatch_meter` instead counts what vLLM's own stage moves, changing nothing,
+so stock vLLM is measured by the same counters. On any other backend the layer is left as it
+is (those kernels already send each token only where its experts are).
+
+Counted per rank, from the tensors handed to the collectives ("bytes this rank sends to
+other ranks"), in the engine's :class:`~.state.SemMoEState` counters:
+
+- ``dispatch_bytes``: hidden-state rows (all-gather: this rank's rows once per other rank;
+  sparse: each row once per other rank holding one of its experts);
+- ``combine_bytes``: partial sums (reduce-scatter: the rows of the other ranks' tokens;
+  sparse: one per received row);
+- ``metadata_bytes``: top-k weights and ids (and activation scales), split sizes.
+
+:func:`routed_exchange` is the same exchange around ``RoutedExperts.forward_modular`` (the
+TP shuffle's, where no DP dispatch stage exists).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..ep_exchange import EpExchange, send_plan
+from . import compat
+
+logger = logging.getLogger("vllm.semmoe")
+
+#: the byte counters of the MoE path, per engine (the ``op`` label of the exported metric)
+BYTE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes")
+
+
+def routed_exchange(forward_modular, x_my: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group,
+                    counters: dict, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+    """Routed-expert output rows of this rank's tokens ``x_my`` ``[m, H]`` (physical ``ids``
+    ``[m, K]``, gate ``weights`` ``[m, K]``), over the EP ``group``.
+
+    Local activations are computed here; each token is sent once to every other rank holding
+    one of its experts (:func:`vllm_semmoe.ep_exchange.send_plan`, uneven all-to-all),
+    computed there, and the partial sums are sent back and added. ``forward_modular`` is
+    vLLM's ``RoutedExperts.forward_modular`` of this layer (this rank's experts; rows whose
+    experts are elsewhere contribute zero). Every rank of ``group`` must call this once per
+    MoE layer (the all-to-alls pair up), also with ``m == 0``.
+    """
+    rank, world = group.rank_in_group, group.world_size
+    experts = forward_modular.__self__
+    n_local = int(experts.global_num_experts) // world
+    device = x_my.device
+    dest = ids.long() // n_local  # [m, K] rank holding each chosen expert
+    order, send_counts = send_plan(dest, rank, world)
+    xchg = EpExchange(comm_for(group, device))
+    start = time.perf_counter()
+    sends = send_counts.tolist()  # the split sizes: the one host round trip the all-to-all needs
+    counters["host_sync_s"] += time.perf_counter() - start
+    recvs = xchg.exchange_counts(send_counts)
+    recv_x = xchg.dispatch(x_my.index_select(0, order), sends, recvs)
+    recv_ids = xchg.dispatch(ids.index_select(0, order).to(torch.int64), sends, recvs, metadata=True)
+    recv_w = xchg.dispatch(weights.index_select(0, order).float(), sends, recvs, metadata=True)
+
+    # this rank's experts for its own tokens and for the rows it received
+    local_out = forward_modular(x_my, weights, ids, shared_experts, shared_experts_input)
+    remote_out = forward_modular(recv_x, recv_w.to(weights.dtype), recv_ids.to(ids.dtype)) \
+        if recv_x.shape[0] else recv_x
+    back = xchg.combine(remote_out, sends, recvs)  # combine: partial sums home
+    out_my = local_out.index_add(0, order, back) if order.numel() else local_out
+
+    local = int((dest == rank).sum())
+    counters["dispatch_bytes"] += xchg.counters.dispatch_bytes
+    counters["combine_bytes"] += xchg.counters.combine_bytes
+    counters["metadata_bytes"] += xchg.counters.metadata_bytes
+    counters["local_activations"] += local
+    counters["remote_activations"] += dest.numel() - local
+    counters["tokens"] += x_my.shape[0]
+    counters["layers_run"] += 1
+    return out_my
+
+
+def comm_for(group, device: torch.device):
+    """NCCL (the device group) for accelerator tensors, gloo (the CPU group) for CPU tensors."""
+    return group.cpu_group if device.type == "cpu" else group.device_group
+
+
+def install_sparse_dispatch(runner, counters_of) -> None:
+    """Give the MoE layer ``runner`` the sparse EP dispatch (see the module docstring).
+
+    vLLM builds the layer's modular kernel after the weights load, so the prepare/finalize
+    stage is replaced at the layer's first forward. ``counters_of()`` returns the dict the
+    exchange adds its counts to (the engine's counters while it serves, a scratch dict during
+    warm-up).
+    """
+    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of))
+    compat.use_opaque_moe_op(runner)  # the exchange's sizes vary per step: keep it out of compiled graphs
+
+
+def install_dispatch_meter(runner, counters_of) -> None:
+    """Count the bytes of vLLM's own all-gather / reduce-scatter stage of the MoE layer
+    ``runner``, changing nothing it computes."""
+    _on_first_forward(runner, lambda stage: _metered(stage, counters_of))
+    compat.use_opaque_moe_op(runner)
+
+
+def _on_first_forward(runner, replace) -> None:
+    """At the first forward of ``runner``'s routed experts, swap its kernel's prepare/finalize
+    stage for ``replace(stage)`` when vLLM uses the all-gather stage; otherwise keep vLLM's."""
+    experts = runner.routed_experts
+    original = experts.forward_modular
+
+    def forward_modular(*args, **kwargs):
+        del experts.forward_modular  # once: the class method again from now on
+        stage = compat.prepare_finalize(experts)
+        if compat.is_allgather_stage(stage):
+            compat.set_prepare_finalize(experts, replace(stage))
+        else:
+            logger.info("semmoe: MoE layer %s dispatches with %s, left as it is (it sends tokens only "
+                        "where their experts are)", getattr(runner, "layer_name", "?"), type(stage).__name__)
+        return original(*args, **kwargs)
+
+    experts.forward_modular = forward_modular
+
+
+class SparsePrepareAndFinalize:
+    """vLLM's all-gather prepare/finalize stage with the sparse EP exchange (module docstring).
+
+    Wraps one layer's ``MoEPrepareAndFinalizeNaiveDPEPModular`` (``stage``): everything but
+    ``prepare``, ``finalize`` and the fused-output allocation is the stage's own. State between
+    ``prepare`` and ``finalize`` of one forward: the exchange, the send order, the split sizes
+    and this rank's row count.
+    """
+
+    def __init__(self, stage, counters_of):
+        self._stage = stage
+        self._counters_of = counters_of
+        self._pending = None
+
+    def __getattr__(self, name):  # activation_format, num_dispatchers, supports_async, ...
+        return getattr(self._stage, name)
+
+    def allocate_fused_expert_output(self, *args, **kwargs):
+        return None  # the experts' own buffer (the all-gather stage's is sized for the gathered batch)
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, defer_input_quant: bool = False):
+        """Send each row of ``a1`` ``[m, H]`` to the other ranks holding one of its ``topk_ids``
+        ``[m, K]``; return vLLM's prepare result for ``[m + received]`` rows (own rows first)."""
+        if apply_router_weight_on_input:
+            assert topk_ids.size(1) == 1, "apply_router_weight_on_input is only implemented for topk=1"
+            a1 = a1 * topk_weights.to(a1.dtype)
+        if getattr(quant_config, "quant_dtype", None) == "nvfp4":
+            raise NotImplementedError("semmoe: the sparse EP dispatch does not carry NVFP4 activation scales; "
+                                      "serve this model with --dispatch vllm")
+        a1q, a1q_scale = compat.quantize_for_dispatch(a1, quant_config, defer_input_quant)
+        group = compat.ep_group()
+        rank, world = group.rank_in_group, group.world_size
+        m = a1.shape[0]
+        dest = topk_ids.long() // (num_experts // world)  # [m, K] rank holding each chosen expert
+        order, send_counts = send_plan(dest, rank, world)
+        xchg = EpExchange(comm_for(group, a1q.device))
+        sends = send_counts.tolist()
+        recvs = xchg.exchange_counts(send_counts)
+        recv_x = xchg.dispatch(a1q.index_select(0, order), sends, recvs)
+        recv_ids = xchg.dispatch(topk_ids.index_select(0, order), sends, recvs, metadata=True)
+        recv_w = xchg.dispatch(topk_weights.index_select(0, order), sends, recvs, metadata=True)
+        if a1q_scale is not None and a1q_scale.ndim > 0 and a1q_scale.shape[0] == m:  # per-token scales
+            a1q_scale = torch.cat([a1q_scale, xchg.dispatch(a1q_scale.index_select(0, order), sends, recvs,
+                                                            metadata=True)])
+        self._pending = (xchg, order, sends, recvs, m)
+        counters = self._counters_of()
+        local = int((dest == rank).sum())
+        counters["local_activations"] += local
+        counters["remote_activations"] += dest.numel() - local
+        counters["tokens"] += m
+        counters["layers_run"] += 1
+        return (torch.cat([a1q, recv_x]), a1q_scale, None, torch.cat([topk_ids, recv_ids]),
+                torch.cat([topk_weights, recv_w]))
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                 weight_and_reduce_impl) -> None:
+        """Reduce each row over its top-k, send the received rows' partial sums home, add them
+        to this rank's own rows, write ``output`` ``[m, H]``."""
+        xchg, order, sends, recvs, m = self._pending
+        self._pending = None
+        reduced = compat.weight_and_reduce(weight_and_reduce_impl, fused_expert_output, topk_weights, topk_ids,
+                                           apply_router_weight_on_input)
+        back = xchg.combine(reduced[m:].contiguous(), sends, recvs)
+        mine = reduced[:m]
+        if order.numel():
+            mine = mine.index_add(0, order, back.to(mine.dtype))
+        output.copy_(mine)
+        counters = self._counters_of()
+        for key in BYTE_KEYS:
+            counters[key] += getattr(xchg.counters, key)
+
+
+def _metered(stage, counters_of):
+    """``stage`` (vLLM's all-gather prepare/finalize) with its bytes counted."""
+    prepare, finalize = stage.prepare, stage.finalize
+    rows = []
+
+    def metered_prepare(a1, topk_weights, topk_ids, num_experts, *args, **kwargs):
+        group = compat.ep_group()
+        rank, world = group.rank_in_group, group.world_size
+        counters = counters_of()
+        local = int((topk_ids.long() // (num_experts // world) == rank).sum())
+        counters["local_activations"] += local
+        counters["remote_activations"] += topk_ids.numel() - local
+        result = prepare(a1, topk_weights, topk_ids, num_experts, *args, **kwargs)
+        a1q, a1q_scale, _, ids, weights = result
+        m, total = a1.shape[0], a1q.shape[0]
+        per_row = lambda t: _nbytes(t) // max(t.shape[0], 1)  # noqa: E731
+        counters["dispatch_bytes"] += m * per_row(a1q) * (world - 1)
+        meta = per_row(ids) + per_row(weights)
+        if a1q_scale is not None and a1q_scale.ndim > 0 and a1q_scale.shape[0] == total:
+            meta += per_row(a1q_scale)
+        counters["metadata_bytes"] += m * meta * (world - 1)
+        counters["tokens"] += m
+        counters["layers_run"] += 1
+        rows.append((m, total))
+        return result
+
+    def metered_finalize(output, *args, **kwargs):
+        m, total = rows.pop() if rows else (output.shape[0], output.shape[0])
+        counters_of()["combine_bytes"] += (total - m) * output.shape[-1] * output.element_size()
+        return finalize(output, *args, **kwargs)
+
+    stage.prepare, stage.finalize = metered_prepare, metered_finalize
+    return stage
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

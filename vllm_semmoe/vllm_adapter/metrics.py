@@ -1,0 +1,71 @@
+"""The engine's MoE exchange counters on vLLM's ``/metrics``.
+
+Exported per DP rank (label ``dp_rank``), from the counters of :mod:`.ep_dispatch`:
+
+- ``vllm:semmoe_moe_bytes_total{op="dispatch"|"combine"|"metadata"}``: bytes the MoE layers
+  handed to their collectives for other ranks;
+- ``vllm:semmoe_local_activations_total`` / ``vllm:semmoe_remote_activations_total``: expert
+  activations on this rank / on another (counted by the sparse exchange).
+
+Engines run in their own processes; vLLM's API servers aggregate counters of all processes
+through ``prometheus_client``'s multiprocess mode, which ``vllm serve`` turns on when it runs
+more than one API server (its default under data parallelism: one per DP rank). Without it
+(one API server) the counters stay in the engine's capture JSON and ``bench-serve``'s output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm.semmoe")
+
+_METRICS = None
+
+
+def _metrics():
+    global _METRICS
+    if _METRICS is None:
+        try:
+            from prometheus_client import Counter
+
+            _METRICS = (
+                Counter("vllm:semmoe_moe_bytes", "Bytes the MoE layers handed to their collectives for other "
+                        "ranks", ["dp_rank", "op"]),
+                Counter("vllm:semmoe_local_activations", "Expert activations on the token's own rank", ["dp_rank"]),
+                Counter("vllm:semmoe_remote_activations", "Expert activations on another rank", ["dp_rank"]),
+            )
+        except Exception as exc:  # metrics are optional; serving is not
+            logger.warning("semmoe: no Prometheus counters for the MoE exchange (%s)", exc)
+            _METRICS = ()
+    return _METRICS
+
+
+class EngineMetrics:
+    """Adds the growth of an engine's counters (a dict of :data:`~.state.MOE_COUNTER_KEYS`)
+    since the last :meth:`update` to the Prometheus counters of its DP rank."""
+
+    def __init__(self, dp_rank: int):
+        self.dp_rank = str(dp_rank)
+        self._seen: dict = {}
+
+    @staticmethod
+    def available() -> bool:
+        """Whether an API server can read counters of this (engine) process."""
+        return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")) and bool(_metrics())
+
+    def update(self, counters: dict) -> None:
+        metrics = _metrics()
+        if not metrics:
+            return
+        moe_bytes, local, remote = metrics
+        for op in ("dispatch", "combine", "metadata"):
+            self._add(moe_bytes.labels(dp_rank=self.dp_rank, op=op), counters, f"{op}_bytes")
+        self._add(local.labels(dp_rank=self.dp_rank), counters, "local_activations")
+        self._add(remote.labels(dp_rank=self.dp_rank), counters, "remote_activations")
+
+    def _add(self, counter, counters: dict, key: str) -> None:
+        grown = counters[key] - self._seen.get(key, 0)
+        if grown > 0:
+            counter.inc(grown)
+            self._seen[key] = counters[key]
