@@ -738,6 +738,7 @@ def test_tp2_srs_sag_shuffle(reference: list[dict], tmp_path: Path) -> None:
     from vllm_semmoe.tables import build_tables
     from vllm_semmoe.trace import load_trace
     from vllm_semmoe.vllm_adapter.engine import run_prompts
+    from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
     sharegpt = REPO.parent / "shared" / "data" / "text" / "sharegpt_4k.jsonl.gz"
     run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
@@ -768,9 +769,39 @@ def test_tp2_srs_sag_shuffle(reference: list[dict], tmp_path: Path) -> None:
                         "predicted_512_token_batches": batch_512["lar"],
                         "bytes": sum(c["dispatch_bytes"] + c["combine_bytes"] for c in counters),
                         "tokens": sum(c["tokens"] for c in counters)}
-    print("TP shuffle runs:", json.dumps(runs))
+        traffic = [s["moe_traffic"] for s in result["summaries"]]
+        runs[method]["collective_bytes"] = sum(t[k] for t in traffic for k in BYTE_KEYS)
+        runs[method]["allreduce_bytes"] = sum(t["allreduce_bytes"] for t in traffic)
+        runs[method]["real_tokens"] = result["summaries"][0]["live"]["tokens"]
+
+    # stock vLLM TP 2 + EP (vanilla placement, no shuffle), its collectives metered
+    out = tmp_path / "stock.json"
+    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
+           "semmoe": {"tables": str(tmp_path / "vanilla"), "capture": str(tmp_path / "stock_served.npz")}}
+    _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
+        tmp_path / "stock.log", ENGINE_TIMEOUT_S)
+    result = json.loads(out.read_text())
+    _assert_same_tokens(result["outputs"], reference, "TP=2 + EP, stock, metered")
+    traffic = [s["moe_traffic"] for s in result["summaries"]]
+    stock = {"collective_bytes": sum(t[k] for t in traffic for k in BYTE_KEYS),
+             "allreduce_bytes": sum(t["allreduce_bytes"] for t in traffic),
+             "real_tokens": result["summaries"][0]["live"]["tokens"]}
+    print("TP shuffle runs:", json.dumps(runs), "stock:", json.dumps(stock))
+
+    # ring all-reduce of [tokens, H] bf16 over 2 ranks: each rank sends 2 (E-1)/E = 1x the tensor;
+    # stock: the embedding's, then per decoder layer the attention's and the MoE layer's
+    row = 160 * 2
+    layers = 4
+    assert stock["allreduce_bytes"] == 2 * stock["real_tokens"] * row * (1 + 2 * layers), stock
+    for method in ("vanilla", "semmoe"):  # fused shuffle: only the embedding's all-reduce remains
+        assert runs[method]["allreduce_bytes"] == 2 * runs[method]["real_tokens"] * row, runs[method]
     measured_gain = runs["semmoe"]["lar"] - runs["vanilla"]["lar"]
     predicted_gain = runs["semmoe"]["predicted"] - runs["vanilla"]["predicted"]
     assert measured_gain >= predicted_gain - 0.02, runs
     per_token = {m: r["bytes"] / r["tokens"] for m, r in runs.items()}
     assert per_token["semmoe"] < per_token["vanilla"], runs
+    total = {m: r["collective_bytes"] / r["real_tokens"] for m, r in runs.items()}
+    total["stock"] = stock["collective_bytes"] / stock["real_tokens"]
+    print("collective bytes per token (both ranks), TP 2 + EP 2:", json.dumps(total))
+    assert total["semmoe"] < total["vanilla"], total

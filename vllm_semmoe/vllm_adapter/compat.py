@@ -28,6 +28,7 @@ _MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _CORE_CLIENT = "vllm.v1.engine.core_client"
 _PARALLEL = "vllm.distributed.parallel_state"
+_DEVICE_COMM = "vllm.distributed.device_communicators.base_device_communicator"
 _NAIVE_DP_EP = "vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep"
 
 
@@ -188,6 +189,18 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_PARALLEL, "model_parallel_is_initialized", "function", (), why="TP rank when not distributed"),
     Internal(_PARALLEL, "GroupCoordinator.reduce_scatterv", "function", ("self", "input_", "dim", "sizes"),
              needed_by="tp", why="shuffled reduce-scatter"),
+    Internal(_PARALLEL, "GroupCoordinator.device_communicator", "attribute", needed_by="capture",
+             why="the TP group's communicator, whose collectives are metered"),
+    Internal(_DEVICE_COMM, "DeviceCommunicatorBase.all_reduce", "function", ("self", "input_"), needed_by="capture",
+             why="metered (TP all-reduces)"),
+    Internal(_DEVICE_COMM, "DeviceCommunicatorBase.reduce_scatter", "function", ("self", "input_", "dim"),
+             needed_by="capture", why="metered"),
+    Internal(_DEVICE_COMM, "DeviceCommunicatorBase.reduce_scatterv", "function", ("self", "input_", "dim", "sizes"),
+             needed_by="capture", why="metered (the TP shuffle's reduce-scatter)"),
+    Internal(_DEVICE_COMM, "DeviceCommunicatorBase.all_gather", "function", ("self", "input_", "dim"),
+             needed_by="capture", why="metered"),
+    Internal(_DEVICE_COMM, "DeviceCommunicatorBase.all_gatherv", "function", ("self", "input_", "dim", "sizes"),
+             needed_by="capture", why="metered"),
     Internal(_PARALLEL, "GroupCoordinator.rank_in_group", "attribute", needed_by="tp", why="this rank"),
     Internal(_PARALLEL, "GroupCoordinator.world_size", "attribute", needed_by="tp", why="group size"),
     Internal(_PARALLEL, "GroupCoordinator.cpu_group", "attribute", needed_by="tp", why="gloo group for CPU tensors"),

@@ -26,7 +26,12 @@ other ranks"), in the engine's :class:`~.state.SemMoEState` counters:
   sparse: each row once per other rank holding one of its experts);
 - ``combine_bytes``: partial sums (reduce-scatter: the rows of the other ranks' tokens;
   sparse: one per received row);
-- ``metadata_bytes``: top-k weights and ids (and activation scales), split sizes.
+- ``metadata_bytes``: top-k weights and ids (and activation scales), split sizes;
+- ``allreduce_bytes``, ``reduce_scatter_bytes``, ``allgather_bytes``: the tensor-parallel
+  group's collectives (:func:`meter_collectives`; vLLM's all-reduces, the TP shuffle's
+  reduce-scatter and all-gathers), as the bytes a rank sends under ring algorithms: all-reduce
+  ``2 (E-1)/E`` of the tensor, reduce-scatter ``(E-1)/E`` of its input (uneven: all but its own
+  rows), all-gather ``E-1`` times its input (uneven: the other ranks' rows).
 
 :func:`routed_exchange` is the same exchange around ``RoutedExperts.forward_modular`` (the
 TP shuffle's, where no DP dispatch stage exists).
@@ -44,8 +49,11 @@ from . import compat
 
 logger = logging.getLogger("vllm.semmoe")
 
-#: the byte counters of the MoE path, per engine (the ``op`` label of the exported metric)
-BYTE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes")
+#: the byte counters, per engine (``<op>_bytes``: the ``op`` label of the exported metric)
+BYTE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "allreduce_bytes", "reduce_scatter_bytes",
+             "allgather_bytes")
+#: the exchange's own counters (:class:`~vllm_semmoe.ep_exchange.ExchangeCounters`)
+EXCHANGE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes")
 
 
 def routed_exchange(forward_modular, x_my: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group,
@@ -205,7 +213,7 @@ class SparsePrepareAndFinalize:
             mine = mine.index_add(0, order, back.to(mine.dtype))
         output.copy_(mine)
         counters = self._counters_of()
-        for key in BYTE_KEYS:
+        for key in EXCHANGE_KEYS:
             counters[key] += getattr(xchg.counters, key)
 
 
@@ -246,3 +254,59 @@ def _metered(stage, counters_of):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def meter_collectives(communicator, rank: int, world: int, counters_of) -> None:
+    """Count the bytes of ``communicator``'s (one group's device communicator, this process)
+    all-reduce, reduce-scatter(v) and all-gather(v) calls, changing nothing they do. Nested
+    calls (one collective implemented with another) count once."""
+    depth = [0]
+
+    def counted(name: str, volume):
+        original = getattr(communicator, name)
+
+        def call(input_, *args, **kwargs):
+            if depth[0] == 0:
+                key, nbytes = volume(input_, *args, **kwargs)
+                counters_of()[key] += int(nbytes)
+            depth[0] += 1
+            try:
+                return original(input_, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(communicator, name, call)
+
+    def rows_share(t, dim, sizes, mine: bool):
+        total = _nbytes_any(t)
+        if not sizes:
+            return total / world if mine else total * (world - 1) / world
+        return _row_bytes_any(t, dim) * (sizes[rank] if mine else sum(sizes) - sizes[rank])
+
+    counted("all_reduce", lambda x, *a, **k: ("allreduce_bytes", 2 * (world - 1) * _nbytes_any(x) / world))
+    counted("reduce_scatter", lambda x, *a, **k: ("reduce_scatter_bytes", (world - 1) * _nbytes_any(x) / world))
+    counted("reduce_scatterv", lambda x, dim=-1, sizes=None, *a, **k:
+            ("reduce_scatter_bytes", rows_share(x, dim, sizes, mine=False)))
+    counted("all_gather", lambda x, *a, **k: ("allgather_bytes", (world - 1) * _nbytes_any(x)))
+    counted("all_gatherv", lambda x, dim=0, sizes=None, *a, **k:
+            ("allgather_bytes", (world - 1) * _nbytes_any(x) if not sizes else
+             _row_bytes_any(x, dim) * (sum(sizes) - sizes[rank])))
+
+
+def _nbytes_any(t) -> int:
+    """Bytes of a tensor or a list of tensors."""
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return _nbytes(t)
+
+
+def _row_bytes_any(t, dim: int) -> int:
+    """Bytes of one slice along ``dim`` of a tensor (summed over a list of tensors)."""
+    if isinstance(t, (list, tuple)):
+        return sum(_row_bytes_any(x, dim) for x in t)
+    shape = list(t.shape)
+    shape.pop(dim)
+    size = 1
+    for extent in shape:
+        size *= extent
+    return size * t.element_size()

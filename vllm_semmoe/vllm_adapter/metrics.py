@@ -2,8 +2,9 @@
 
 Exported per DP rank (label ``dp_rank``), from the counters of :mod:`.ep_dispatch`:
 
-- ``vllm:semmoe_moe_bytes_total{op="dispatch"|"combine"|"metadata"}``: bytes the MoE layers
-  handed to their collectives for other ranks;
+- ``vllm:semmoe_moe_bytes_total{op="dispatch"|"combine"|"metadata"|"allreduce"|"reduce_scatter"|"allgather"}``:
+  bytes the engine's expert- and tensor-parallel collectives sent to other ranks (ring volumes
+  for the tensor-parallel ones, see :mod:`.ep_dispatch`);
 - ``vllm:semmoe_local_activations_total`` / ``vllm:semmoe_remote_activations_total``: expert
   activations on this rank / on another (counted by the sparse exchange).
 
@@ -59,8 +60,10 @@ class EngineMetrics:
         if not metrics:
             return
         moe_bytes, local, remote = metrics
-        for op in ("dispatch", "combine", "metadata"):
-            self._add(moe_bytes.labels(dp_rank=self.dp_rank, op=op), counters, f"{op}_bytes")
+        from .ep_dispatch import BYTE_KEYS
+
+        for key in BYTE_KEYS:
+            self._add(moe_bytes.labels(dp_rank=self.dp_rank, op=key.removesuffix("_bytes")), counters, key)
         self._add(local.labels(dp_rank=self.dp_rank), counters, "local_activations")
         self._add(remote.labels(dp_rank=self.dp_rank), counters, "remote_activations")
 

@@ -13,12 +13,16 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
 - ``BaseModelLoader.create_model``: install the placement before weights load and create the
   engine's :class:`~.state.SemMoEState` (recorder, TP-shuffle layers) (:func:`build_state`);
 - ``GPUModelRunner._model_forward`` (the CPU runner inherits it): open the step context of
-  real forward steps (warm-up and profiling runs do not come through here);
+  real forward steps (warm-up and profiling runs do not come through here); publish the MoE
+  exchange counters after each;
+- ``Worker.execute_dummy_batch``: under DP + EP, count the MoE traffic of the dummy batches an
+  idle rank runs in lock-step with the serving ones;
 - ``GPUModelRunner.shutdown``: write the capture;
 - ``DPLBAsyncMPClient.get_core_engine_for_request``: in ``dp`` mode, pick each request's DP
   rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins).
 
-What runs inside the compiled model does so through the custom ops of :mod:`.ops`.
+What runs inside the compiled model does so through the custom ops of :mod:`.ops`; the DP + EP
+dispatch is vLLM's own prepare/finalize interface (:mod:`.ep_dispatch`).
 """
 
 from __future__ import annotations
@@ -242,6 +246,12 @@ def build_state(model, config, vllm_config) -> SemMoEState:
                 ops.install_moe_op(runner, runner.layer_name)
         warm_up_scheduler(state.tables, ep_size)
     install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
+    if layout["tp"] > 1 and state.recorder is not None:  # count the TP group's collectives too
+        from .ep_dispatch import meter_collectives
+
+        tp = compat.tp_group()
+        meter_collectives(tp.device_communicator, tp.rank_in_group, tp.world_size, _weak_counters(state))
+        state.tp_metered = True
     if config.records:  # flush at interpreter exit too (holds the state weakly)
         atexit.register(_flush_at_exit, weakref.ref(state))
     return state
@@ -263,6 +273,19 @@ def install_dispatch(runners: list, state: SemMoEState, dispatch: str | None) ->
         state.metrics = EngineMetrics(state.parallel[2])
     logger.info("semmoe: %s MoE dispatch on %d MoE layers", "sparse EP" if dispatch == "sparse" else
                 "vLLM's all-gather (metered)", len(runners))
+
+
+def _weak_counters(state: SemMoEState):
+    """``state.moe_counters`` without keeping ``state`` alive (the communicator outlives engines)."""
+    from .state import new_moe_counters
+
+    ref = weakref.ref(state)
+
+    def counters_of() -> dict:
+        alive = ref()
+        return alive.moe_counters() if alive is not None else new_moe_counters()
+
+    return counters_of
 
 
 def warm_up_scheduler(tables, ep_size: int) -> None:
@@ -485,7 +508,7 @@ def flush_state(state: SemMoEState) -> dict:
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
     if state.counters["layers_run"] and state.shuffles:
         summary["tp_shuffle"] = dict(state.counters)
-    if state.dispatch is not None:
+    if state.dispatch is not None or state.tp_metered:
         summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
     if recorder.meter is not None:
         summary["live"] = recorder.meter.result()

@@ -26,7 +26,8 @@ import numpy as np
 
 #: counters of the MoE layers' exchange (TP shuffle, sparse or metered DP dispatch), summed over
 #: the MoE layers of one engine; bytes as in :mod:`.ep_dispatch`
-MOE_COUNTER_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "local_activations",
+MOE_COUNTER_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "allreduce_bytes",
+                    "reduce_scatter_bytes", "allgather_bytes", "local_activations",
                     "remote_activations", "tokens", "layers_run", "fused_layers_run", "schedule_s",
                     "host_sync_s", "moe_layer_s")
 
@@ -71,6 +72,7 @@ class SemMoEState:
             EP exchange), ``"vllm"`` (vLLM's all-gather / reduce-scatter, metered) or ``None``
             (no DP + EP all-gather dispatch in this engine).
         in_step: whether a real step is running (what the counters count).
+        tp_metered: whether the tensor-parallel group's collectives are counted.
         metrics: the :class:`~.metrics.EngineMetrics` exporting ``counters`` on ``/metrics``
             (``None``: no API server can read this process's counters).
         step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
@@ -88,6 +90,7 @@ class SemMoEState:
     dispatch: str | None = None
     in_step: bool = False
     metrics: Any = None
+    tp_metered: bool = False
     step: StepContext | None = None
     flushed_steps: int = -1
     flushed_summary: dict = field(default_factory=dict)

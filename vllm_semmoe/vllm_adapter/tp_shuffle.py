@@ -193,8 +193,8 @@ def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_stat
     out_my = moe_on_slice(decoder.mlp.experts, layer, hidden_my, step, cap, token_slot, group)
     step.counters["fused_layers_run"] += 1
     inverse = _index(token_slot, device)
-    out = sag_unpack(_all_gather_slices(out_my, cap, group), inverse)
-    residual = sag_unpack(_all_gather_slices(residual_my, cap, group), inverse)
+    out = sag_unpack(_all_gather_slices(out_my, cap, group, step.counters), inverse)
+    residual = sag_unpack(_all_gather_slices(residual_my, cap, group, step.counters), inverse)
     return out, residual
 
 
@@ -207,7 +207,8 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     weights, ids = compat.select_experts(runner, x_my, logits)
     out_my = routed_exchange(runner.routed_experts.forward_modular, x_my, weights, ids, group, step.counters)
     device = x_my.device
-    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group).index_select(0, _index(token_slot, device))
+    full_ids = _all_gather_slices(ids.to(torch.int64), cap, group, step.counters,
+                                  key="metadata_bytes").index_select(0, _index(token_slot, device))
     start = time.perf_counter()
     full_ids = full_ids.cpu().numpy()
     step.counters["host_sync_s"] += time.perf_counter() - start
@@ -248,12 +249,15 @@ def fusable_runner(decoder, tp_layers: dict):
     return runner
 
 
-def _all_gather_slices(rows: torch.Tensor, cap: int, group) -> torch.Tensor:
-    """Pad this rank's rows to ``cap`` and all-gather: ``[E * cap, ...]`` in slot order."""
+def _all_gather_slices(rows: torch.Tensor, cap: int, group, counters: dict,
+                       key: str = "allgather_bytes") -> torch.Tensor:
+    """Pad this rank's rows to ``cap`` and all-gather: ``[E * cap, ...]`` in slot order (bytes
+    counted under ``key``, as a ring sends them: ``E - 1`` times the padded slice)."""
     import torch.distributed as dist
 
     padded = torch.zeros((cap, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     padded[: rows.shape[0]] = rows
+    counters[key] += (group.world_size - 1) * padded.numel() * padded.element_size()
     parts = [torch.empty_like(padded) for _ in range(group.world_size)]
     dist.all_gather(parts, padded, group=comm_for(group, rows.device))
     return torch.cat(parts)
