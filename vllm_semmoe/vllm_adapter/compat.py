@@ -28,6 +28,8 @@ _MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _CORE_CLIENT = "vllm.v1.engine.core_client"
 _PARALLEL = "vllm.distributed.parallel_state"
+_BASE_ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router"
+_ROUTED = "vllm.model_executor.layers.fused_moe.routed_experts"
 _DEVICE_COMM = "vllm.distributed.device_communicators.base_device_communicator"
 _NAIVE_DP_EP = "vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep"
 
@@ -120,6 +122,24 @@ INTERNALS: tuple[Internal, ...] = (
              why="this rank's experts on its own and received rows"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.global_num_experts",
              "attribute", why="expert count"),
+    # exact re-placement (replacement.py): ids mapped after top-k, per-expert loads re-placed
+    Internal(_BASE_ROUTER, "BaseRouter._apply_eplb_mapping", "function", ("self", "topk_ids"),
+             why="placement: followed by logical -> physical ids on every MoE layer"),
+    Internal(_BASE_ROUTER, "BaseRouter.eplb_state", "attribute", why="placement refused with EPLB's own map"),
+    Internal(_ROUTED, "RoutedExperts.expert_map_manager", "attribute",
+             why="placement refused with fused shared-expert slots"),
+    Internal(_ROUTED, "RoutedExperts.quant_method", "attribute", why="monolithic kernels refused; DP dispatch stage"),
+    Internal(_ROUTED, "RoutedExperts.quant_config", "attribute", why="quantizations loading all experts at once refused"),
+    Internal(_ROUTED, "RoutedExperts.moe_config", "attribute", why="redundant slots, EPLB, hidden size"),
+    Internal(_ROUTED, "RoutedExperts.local_num_experts", "attribute", why="which tensors are per expert"),
+    Internal(_ROUTED, "RoutedExperts._expert_routing_tables", "function", ("self",),
+             why="layout buffers that must not be re-placed"),
+    Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig.num_logical_experts", "attribute",
+             why="redundant expert slots refused"),
+    Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEParallelConfig.enable_eplb", "attribute",
+             why="placement refused with EPLB"),
+    Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.is_monolithic",
+             "attribute", why="monolithic kernels route internally: placement refused"),
     Internal("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
              "UnquantizedFusedMoEMethod.create_weights", "function", (),
              mentions=("w13_weight", "w2_weight"),
