@@ -24,7 +24,10 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 
 STAMP="$VENV/.semmoe-setup-stamp"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]]; then
+WHEELS=${SEMMOE_WHEEL_CACHE:-$HOME/.cache/vllm-semmoe/wheels}
+# up to date: the stamp matches and the cached wheel is there (a wiped cache is repaired below)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]] \
+    && ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
   exit 0
 fi
 
@@ -54,7 +57,6 @@ fi
 
 # The vLLM 0.33.0 CUDA wheel (336 MB), never installed: the CI test of the compatibility layer
 # reads its source (tests/test_vllm_compat.py, `semmoe doctor --vllm-source`). Cached once.
-WHEELS=${SEMMOE_WHEEL_CACHE:-$HOME/.cache/vllm-semmoe/wheels}
 if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEELS"
   echo "[setup] caching the vllm 0.33.0 wheel in $WHEELS (source for the compatibility check)" >&2

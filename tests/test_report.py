@@ -108,3 +108,16 @@ def test_report_says_what_it_could_not_draw(outputs, tmp_path):
     assert "old_eval.json: no lar_per_layer (written by an older semmoe eval)" in result["skipped"]
     page = (tmp_path / "r" / "index.html").read_text()
     assert "<th>semmoe</th>" in page and "Not drawn: no `semmoe analyze --json` output" in page
+
+
+def test_bench_serve_json_with_several_policies_is_drawn(tmp_path):
+    from vllm_semmoe.report import collect_inputs, figure_bench_serve
+
+    run = lambda policy, b: {"policy": policy, "dp": 2, "rank_prompt_tokens": [10, 12],  # noqa: E731
+                             "rank_imbalance": 1.09, "live_lar": 0.5, "moe_bytes_per_token": b}
+    (tmp_path / "bench_serve.json").write_text(json.dumps(
+        {"runs": {"vllm": run("vllm", 2689.0), "semmoe": run("semmoe", 1933.0)}, "outputs_identical": False}))
+    found = collect_inputs(str(tmp_path))["bench_serve"]
+    assert [label for label, _ in found] == ["bench_serve.json: vllm", "bench_serve.json: semmoe"]
+    legend = [t.get_text() for t in figure_bench_serve(found).axes[0].get_legend().get_texts()]
+    assert legend[1].endswith("MoE 1933 B/token)"), legend

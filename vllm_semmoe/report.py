@@ -100,6 +100,9 @@ def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
                 found["bench_ep"].append((label, data))
             elif _is_bench_serve(data):
                 found["bench_serve"].append((label, data))
+            elif isinstance(data, dict) and isinstance(data.get("runs"), dict) and data["runs"] \
+                    and all(_is_bench_serve(r) for r in data["runs"].values()):  # bench-serve, several policies
+                found["bench_serve"] += [(f"{label}: {policy}", r) for policy, r in data["runs"].items()]
     return found
 
 
@@ -208,8 +211,9 @@ def figure_bench_serve(runs: list[tuple[str, dict]]):
     width = 0.8 / len(runs)
     for i, (label, r) in enumerate(runs):
         x = np.arange(len(r["rank_prompt_tokens"])) + i * width
+        moe = f", MoE {r['moe_bytes_per_token']:.0f} B/token" if "moe_bytes_per_token" in r else ""
         ax.bar(x, r["rank_prompt_tokens"], width, label=f"{r['policy']} (max/mean {r['rank_imbalance']:.3f}, "
-                                                        f"live LAR {r['live_lar']:.3f})")
+                                                        f"live LAR {r['live_lar']:.3f}{moe})")
     ranks = max(len(r["rank_prompt_tokens"]) for _, r in runs)
     ax.set_xticks(np.arange(ranks) + width * (len(runs) - 1) / 2, [str(i) for i in range(ranks)])
     ax.set_xlabel("DP rank")

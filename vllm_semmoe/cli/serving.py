@@ -187,10 +187,10 @@ def cmd_bench_serve(args) -> int:
         runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                                    dp_slack=args.dp_slack, dp_price_step=args.dp_price_step))
+                                    dp_slack=args.dp_slack, dp_price_step=args.dp_price_step, dtype=args.dtype))
     first = runs[0]
     print(f"bench-serve: DP {first['dp']} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
-          f"{first['concurrency']}, {first['max_tokens']} tokens each; MoE bytes counted by the engines")
+          f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
     base = runs[0]["moe_bytes_per_token"]
     print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
@@ -292,6 +292,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=200, help="requests sent")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
     p.add_argument("--dp-slack", type=float, default=None,
                    help="semmoe: queue-score guard slack in requests (default: the plugin's, 8)")

@@ -94,7 +94,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 300, dp_slack: float | None = None,
-                    dp_price_step: float | None = None) -> dict:
+                    dp_price_step: float | None = None, dtype: str = "bfloat16") -> dict:
     """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (one of :data:`POLICIES`)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -120,7 +120,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     base = f"http://127.0.0.1:{port}"
     log_path = os.path.join(workdir, f"server_{policy}.log")
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
            "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--dispatch", dispatch,
            "--capture", capture]
@@ -145,6 +145,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
             stop_server(server)
     summary = _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
     summary["metrics"] = metrics
+    summary["dtype"] = dtype
     return summary
 
 
