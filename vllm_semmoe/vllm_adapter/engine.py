@@ -24,9 +24,16 @@ def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype
     computed — and so captured. ``enforce_eager`` (default here: these are short offline jobs,
     and compiling costs about a minute on CPU) can be turned off: the plugin works compiled.
     """
+    import gc
+
     from vllm import LLM
 
     cpu_defaults()
+    # An engine that died in this process but is not collected yet (e.g. one whose start was
+    # refused, kept in a cycle by its exception's traceback) tears down vLLM's process-wide
+    # parallel groups when the collector finally reaches it: finalize it before this engine
+    # sets them up, not in the middle of its first step.
+    gc.collect()
     parallel = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("data_parallel_size") or 1) \
         * int(kwargs.get("pipeline_parallel_size") or 1)
     if in_process and parallel == 1:
