@@ -70,21 +70,11 @@ class DpRouter:
                         self.requests.tolist(), self.prompt_tokens.tolist())
 
 
-_COUNTERS = None
-
-
 def _prometheus_counters():
     """``vllm:semmoe_requests`` and ``vllm:semmoe_prompt_tokens`` per DP rank on /metrics."""
-    global _COUNTERS
-    if _COUNTERS is None:
-        try:
-            from prometheus_client import Counter
+    from .metrics import prometheus_counters
 
-            _COUNTERS = (
-                Counter("vllm:semmoe_requests", "Requests routed by Sem-MoE, per DP rank", ["dp_rank"]),
-                Counter("vllm:semmoe_prompt_tokens", "Prompt tokens routed by Sem-MoE, per DP rank", ["dp_rank"]),
-            )
-        except Exception as exc:  # metrics are optional; routing is not
-            logger.warning("semmoe: no Prometheus counters (%s)", exc)
-            _COUNTERS = ()
-    return _COUNTERS
+    return prometheus_counters("DP routing", (
+        ("vllm:semmoe_requests", "Requests routed by Sem-MoE, per DP rank", ("dp_rank",)),
+        ("vllm:semmoe_prompt_tokens", "Prompt tokens routed by Sem-MoE, per DP rank", ("dp_rank",)),
+    ))

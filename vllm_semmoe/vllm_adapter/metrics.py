@@ -21,25 +21,30 @@ import os
 
 logger = logging.getLogger("vllm.semmoe")
 
-_METRICS = None
+_COUNTERS: dict = {}
 
 
-def _metrics():
-    global _METRICS
-    if _METRICS is None:
+def prometheus_counters(key: str, specs: tuple) -> tuple:
+    """The ``prometheus_client`` counters ``specs`` (``(name, help, labels)`` each), created once
+    per process under ``key``; ``()`` when Prometheus is unavailable (metrics are optional)."""
+    if key not in _COUNTERS:
         try:
             from prometheus_client import Counter
 
-            _METRICS = (
-                Counter("vllm:semmoe_moe_bytes", "Bytes the MoE layers handed to their collectives for other "
-                        "ranks", ["dp_rank", "op"]),
-                Counter("vllm:semmoe_local_activations", "Expert activations on the token's own rank", ["dp_rank"]),
-                Counter("vllm:semmoe_remote_activations", "Expert activations on another rank", ["dp_rank"]),
-            )
-        except Exception as exc:  # metrics are optional; serving is not
-            logger.warning("semmoe: no Prometheus counters for the MoE exchange (%s)", exc)
-            _METRICS = ()
-    return _METRICS
+            _COUNTERS[key] = tuple(Counter(name, doc, list(labels)) for name, doc, labels in specs)
+        except Exception as exc:
+            logger.warning("semmoe: no Prometheus counters for %s (%s)", key, exc)
+            _COUNTERS[key] = ()
+    return _COUNTERS[key]
+
+
+def _metrics():
+    return prometheus_counters("the MoE exchange", (
+        ("vllm:semmoe_moe_bytes", "Bytes the MoE layers handed to their collectives for other ranks",
+         ("dp_rank", "op")),
+        ("vllm:semmoe_local_activations", "Expert activations on the token's own rank", ("dp_rank",)),
+        ("vllm:semmoe_remote_activations", "Expert activations on another rank", ("dp_rank",)),
+    ))
 
 
 class EngineMetrics:

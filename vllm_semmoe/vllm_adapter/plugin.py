@@ -426,7 +426,7 @@ def _patch_model_runner() -> None:
             return execute_dummy_batch(self, *args, **kwargs)
         finally:
             state.in_step = False
-            publish_counters(state)
+            publish_counters(state, write_live=True)
 
     worker_class.execute_dummy_batch = patched_execute_dummy_batch
 
@@ -446,11 +446,13 @@ def _patch_model_runner() -> None:
     GPUModelRunner.shutdown = patched_shutdown
 
 
-def publish_counters(state: SemMoEState) -> None:
-    """After a step: the MoE counters to ``/metrics`` and to the live counters file."""
+def publish_counters(state: SemMoEState, write_live: bool = False) -> None:
+    """After a step: the MoE counters to ``/metrics``, and (``write_live``: after a dummy batch;
+    the recorder writes it after real steps) to the live counters file."""
     if state.metrics is not None:
         state.metrics.update(state.counters)
-    if state.dispatch is not None and state.recorder is not None and state.recorder.dp_counters is not None:
+    if write_live and state.dispatch is not None and state.recorder is not None \
+            and state.recorder.dp_counters is not None:
         state.recorder.dp_counters.write()
 
 
