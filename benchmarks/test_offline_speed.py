@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from vllm_semmoe import scheduling
-from vllm_semmoe.evaluate import DEFAULT_DP_BALANCE
+from vllm_semmoe.evaluate import DEFAULT_DP_BALANCE, previous_experts
 from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables, device_counts, majority_device
+from vllm_semmoe.tables import build_tables
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +22,23 @@ def setup(dev_trace):
 
 
 def test_tp_schedule_throughput(benchmark, setup):
-    """One MoE layer's TP decision (scores + align + permutation) for 512-token batches."""
+    """One MoE layer's TP decision (the engine's rule: scores from T2D and the two previous
+    layers' experts, align, permutation) for 512-token batches."""
     _, trace, placement, tables = setup
     rows = tables.token_rows(trace.tokens)
-    major = majority_device(device_counts(trace.experts, placement.expert_device, 8))
     layer = 10
-    history = major[:, layer - 2] * 8 + major[:, layer - 1]
+    prev = previous_experts(trace.experts.astype(np.int64), layer)
     t2d = tables.t2d_score[layer].astype(np.float32)
+    evidence, log_prior = tables.log_evidence()[layer], np.log(tables.expert_prior[layer])
+    holds = placement.holds()[layer].astype(np.float32)
+    weights = np.asarray(scheduling.TP_EVIDENCE_WEIGHTS)
     starts = range(0, len(rows), 512)
 
     def run():
         for s in starts:
-            scheduling.tp_schedule(rows[s : s + 512], history[s : s + 512], t2d, tables.oov_score[layer],
-                                   tables.markov[layer], 8)
+            scores = scheduling.tp_expert_scores(rows[s : s + 512], prev[s : s + 512], t2d, tables.oov_score[layer],
+                                                 evidence, log_prior, holds, weights)
+            scheduling.tp_decide(scores, 8)
 
     run()  # compile
     benchmark(run)

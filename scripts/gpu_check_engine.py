@@ -27,7 +27,35 @@ def decision_matches(trials: int = 200) -> dict:
         c = lambda a: torch.from_numpy(a).cuda()
         got = scheduling_torch.tp_schedule(c(rows), c(hist), c(t2d), c(oov), c(markov), E)
         bad += any(not np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, want))
-    return {"decision_trials": trials, "decision_mismatches": bad}
+    # the engine's rule (X table): scores to float32 rounding, decisions of the same value
+    worst = 0.0
+    for _ in range(trials // 4):
+        args, weights, E = _expert_rule_inputs(rng, int(rng.integers(1, 2048)))
+        want = scheduling.tp_expert_scores(*args, np.asarray(weights))
+        got = scheduling_torch.tp_expert_scores(*(torch.from_numpy(a).cuda() for a in args), weights).cpu().numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+        value = lambda d: float(want[np.arange(len(want)), d].sum())
+        gap = abs(value(scheduling_torch.tp_decide(torch.from_numpy(got).cuda(), E)[0].cpu().numpy())
+                  - value(scheduling.tp_decide(want, E)[0]))
+        bad += gap > 1e-4 * max(1.0, value(scheduling.tp_decide(want, E)[0]))
+    return {"decision_trials": trials + trials // 4, "decision_mismatches": bad, "expert_rule_max_score_diff": worst}
+
+
+def _expert_rule_inputs(rng, B, E=8, N=64, K=6, J=4096):
+    """Random inputs of :func:`vllm_semmoe.scheduling.tp_expert_scores` (DeepSeek-V2-Lite's shape)."""
+    import numpy as np
+
+    def dist(*shape):
+        x = rng.random(shape) + 0.05
+        return x / x.sum(axis=-1, keepdims=True)
+
+    prior = dist(N)
+    holds = np.zeros((N, E), np.float32)
+    holds[np.arange(N), rng.permutation(np.arange(N) % E)] = 1.0
+    prev = rng.integers(0, N, (B, 2, K)).astype(np.int64)
+    args = (rng.integers(-1, J, B).astype(np.int64), prev, dist(J, E).astype(np.float32), dist(E).astype(np.float32),
+            np.log(dist(2, N, N) / prior).astype(np.float32), np.log(prior).astype(np.float32), holds)
+    return args, (0.3, 0.3, 0.2), E
 
 
 def time_moe_vs_decision(worker) -> dict:
@@ -45,13 +73,8 @@ def time_moe_vs_decision(worker) -> dict:
     results = {}
     for B in (64, 512, 4096):
         x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
-        E, J = 8, 4096
-        rng = np.random.default_rng(B)
-        t2d = torch.from_numpy(rng.random((J, E), np.float32)).cuda()
-        oov = torch.full((E,), 1.0 / E, device="cuda")
-        markov = torch.from_numpy(rng.random((E * E, E), np.float32)).cuda()
-        rows = torch.from_numpy(rng.integers(-1, J, B)).cuda()
-        hist = torch.from_numpy(rng.integers(-1, E * E, B)).cuda()
+        args, weights, E = _expert_rule_inputs(np.random.default_rng(B), B)
+        args = tuple(torch.from_numpy(a).cuda() for a in args)
 
         def moe():
             logits, _ = layer.gate(x)
@@ -59,7 +82,7 @@ def time_moe_vs_decision(worker) -> dict:
             return compat.experts_forward(layer.routed_experts, x, w, ids)
 
         def decide():
-            return scheduling_torch.tp_schedule(rows, hist, t2d, oov, markov, E)
+            return scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
 
         out = {}
         for name, fn in (("moe_layer_ms", moe), ("decision_ms", decide)):

@@ -265,14 +265,15 @@ def test_serve_help_lists_its_options_and_points_to_vllm():
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     for option, default in (("--tables DIR", None), ("--mode", "(default: placement-only)"), ("--capture PATH", None),
-                            ("--dp-slack S", "(default: 8.0)"), ("--dp-price-step P", "(default: 0.1)")):
+                            ("--dp-slack S", "(default: 8.0)"), ("--dp-balance B", "(default: 0.1)"),
+                            ("--dp-decode-weight W", "(default: 128.0)")):
         assert option in text and (default is None or default in text), option
     assert "`vllm serve --help`" in text and "python -m vllm.entrypoints.cli.main serve --help" in text
 
 
 @pytest.mark.parametrize("argv, message", [
     (["M", "--dp-slack", "abc"], "semmoe serve: --dp-slack expects a number, got 'abc'"),
-    (["M", "--dp-price-step=x"], "semmoe serve: --dp-price-step expects a number, got 'x'"),
+    (["M", "--dp-balance=x"], "semmoe serve: --dp-balance expects a number, got 'x'"),
     (["M", "--mode", "ep"], "semmoe serve: --mode must be one of placement-only, tp, dp, got 'ep'"),
     (["M", "--tables"], "semmoe serve: --tables needs a value"),
     (["M", "--additional-config", "{oops"], "semmoe serve: --additional-config must be a JSON object, got '{oops'"),

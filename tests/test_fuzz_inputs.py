@@ -195,7 +195,7 @@ def test_tables_bytes(workdir, valid_tables, data):
 # ---- plugin configs -----------------------------------------------------------------------------
 @FUZZ
 @given(raw=st.one_of(json_values, st.dictionaries(
-    st.sampled_from(["tables", "capture", "mode", "dp_slack", "dp_price_step", "other"]),
+    st.sampled_from(["tables", "capture", "mode", "dp_slack", "dp_balance", "dp_price_step", "other"]),
     st.one_of(json_values, st.sampled_from(["tp", "dp", "placement-only", "/", "/nonexistent/x.npz", "x.npz"])),
     max_size=4)))
 def test_plugin_config(raw):

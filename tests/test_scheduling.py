@@ -66,6 +66,31 @@ def test_tp_layer_scores_combinations():
     np.testing.assert_allclose(prod.sum(axis=1), 1.0, rtol=1e-5)
 
 
+def test_tp_expert_scores_follow_the_earlier_experts():
+    """Two devices, experts 0-1 on device 0 and 2-3 on device 1. Earlier expert 0 predicts
+    experts 0-1 here, earlier expert 2 predicts 2-3; T2D is flat, so the earlier experts decide,
+    and with no history (or zero weights) the scores are T2D's."""
+    N, E = 4, 2
+    holds = np.array([[1, 0], [1, 0], [0, 1], [0, 1]], np.float32)
+    prior = np.full(N, 0.25)
+    follow = np.array([[0.45, 0.45, 0.05, 0.05], [0.25] * 4, [0.05, 0.05, 0.45, 0.45], [0.25] * 4])
+    evidence = np.log(np.stack([follow, follow]) / prior).astype(np.float32)
+    t2d = np.array([[0.5, 0.5], [0.9, 0.1]], np.float32)
+    oov = np.array([0.5, 0.5], np.float32)
+    prev = np.full((4, 2, 1), -1, np.int64)
+    prev[0, 0, 0], prev[1, 0, 0], prev[3, 1, 0] = 0, 2, 2
+    rows = np.array([0, 0, 0, 1])
+    args = (t2d, oov, evidence, np.log(prior).astype(np.float32), holds)
+    scores = scheduling.tp_expert_scores(rows, prev, *args, np.array([1.0, 1.0, 0.5]))
+    np.testing.assert_allclose(scores[0], [0.9, 0.1], rtol=1e-5)  # 0.5 * 0.9 / 0.5 vs 0.5 * 0.1 / 0.5
+    np.testing.assert_allclose(scores[1], [0.1, 0.9], rtol=1e-5)
+    np.testing.assert_allclose(scores[2], [0.5, 0.5], rtol=1e-6)  # no history: T2D
+    assert scores[3, 0] > 0.5 and scores[3, 0] < 0.9  # T2D 0.9 on device 0, tempered lag-2 against it
+    np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-6)
+    flat = scheduling.tp_expert_scores(rows, prev, *args, np.array([1.0, 0.0, 0.0]))
+    np.testing.assert_allclose(flat, t2d[rows], rtol=1e-5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 400), st.sampled_from([2, 4, 8]), st.integers(0, 10**6))
 def test_dp_round_robin_mask_uses_each_rank_once_per_group(R, E, seed):

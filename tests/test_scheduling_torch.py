@@ -43,6 +43,47 @@ def test_torch_decision_equals_numba(case):
         np.testing.assert_array_equal(g.numpy(), w, err_msg=name)
 
 
+@st.composite
+def expert_cases(draw):
+    E = draw(st.sampled_from([2, 4, 8]))
+    N = E * draw(st.integers(1, 4))
+    K = draw(st.integers(1, 3))
+    J = draw(st.integers(1, 12))
+    B = draw(st.integers(1, 70))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+
+    def dist(*shape):
+        x = rng.random(shape) + 0.05
+        return x / x.sum(axis=-1, keepdims=True)
+
+    t2d, oov, prior = dist(J, E).astype(np.float32), dist(E).astype(np.float32), dist(N)
+    evidence = np.log(dist(2, N, N) / prior).astype(np.float32)
+    holds = np.zeros((N, E), np.float32)
+    holds[np.arange(N), rng.permutation(np.arange(N) % E)] = 1.0
+    rows = rng.integers(-1, J, B).astype(np.int64)
+    prev = rng.integers(0, N, (B, 2, K)).astype(np.int64)
+    prev[rng.random(B) < 0.3] = -1  # tokens without history
+    prev[:, 1][rng.random(B) < 0.3] = -1  # ... or with one layer of it
+    weights = (draw(st.sampled_from([0.5, 1.0])), draw(st.sampled_from([0.0, 0.4])), 0.2)
+    return rows, prev, t2d, oov, evidence, np.log(prior).astype(np.float32), holds, weights, E
+
+
+@settings(max_examples=100, deadline=None)
+@given(expert_cases())
+def test_torch_expert_rule_equals_numba(case):
+    """The X-table rule: scores agree to float32 rounding (PyTorch and Numba round log/exp in
+    the last bits differently), and the decision has the same value as Numba's."""
+    *tables, weights, E = case
+    want = scheduling.tp_expert_scores(*tables, np.asarray(weights, np.float64))
+    got = scheduling_torch.tp_expert_scores(*(torch.from_numpy(a) for a in tables), weights).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    device = scheduling.tp_decide(want, E)[0]
+    got_device = scheduling_torch.tp_decide(torch.from_numpy(got), E)[0].numpy()
+    value = want[np.arange(len(want)), device].sum()
+    assert abs(want[np.arange(len(want)), got_device].sum() - value) <= 1e-4 * max(1.0, value)
+    assert np.bincount(got_device, minlength=E).max() <= scheduling.slice_capacity(len(want), E)
+
+
 def test_repair_path_matches():
     """Scores where the price rounds leave a device over capacity: the repair step agrees too."""
     rng = np.random.default_rng(3)
@@ -73,6 +114,7 @@ def test_tp_shuffle_layer_schedules_the_same_on_device():
     for B in (1, 5, 64, 300):
         step = StepContext(rng.integers(0, 600, B), tables, None, new_moe_counters())
         step.major = {0: rng.integers(0, 4, B), 1: rng.integers(0, 4, B)}
+        step.experts = {0: rng.integers(0, 16, (B, 2)), 1: rng.integers(0, 16, (B, 2))}
         for layer in (0, 2, 3):
             shuffle = TpShuffleLayer(layer, tables)
             host = shuffle.schedule(step, B, 4)

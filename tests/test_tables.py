@@ -20,6 +20,29 @@ def test_shapes_and_probabilities(tables, small_trace):
     np.testing.assert_allclose(tables.markov[2:].sum(axis=2), 1.0, atol=1e-5)
     np.testing.assert_allclose(tables.oov_score.sum(axis=1), 1.0, atol=1e-5)
     assert tables.t2d_device.shape == (L, J) and np.all(tables.t2d_confidence <= 1.0)
+    # X: per earlier expert, a distribution over this layer's experts (rows of l < lag unused)
+    assert tables.transition.shape == (L, 2, 64, 64) and tables.expert_prior.shape == (L, 64)
+    np.testing.assert_allclose(tables.transition[1:, 0].sum(axis=2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(tables.transition[2:, 1].sum(axis=2), 1.0, atol=1e-5)
+    assert not tables.transition[0].any() and not tables.transition[1, 1].any()
+    np.testing.assert_allclose(tables.expert_prior.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_transition_counts_what_followed_each_expert(small_trace):
+    """X[l, j-1, n, m] from a hand count on the trace, before smoothing (alpha = 0)."""
+    from vllm_semmoe.tables import expert_transitions
+
+    transition, prior = expert_transitions(small_trace, alpha=0.0)
+    ex = small_trace.experts.astype(np.int64)
+    l, n = 5, int(ex[0, 4, 0])
+    users = np.flatnonzero((ex[:, 4] == n).any(axis=1))  # tokens that used n at layer 4
+    want = np.bincount(ex[users, 5].ravel(), minlength=64) / (len(users) * ex.shape[2])
+    np.testing.assert_allclose(transition[l, 0, n], want, rtol=1e-6)
+    n2 = int(ex[0, 3, 1])
+    users = np.flatnonzero((ex[:, 3] == n2).any(axis=1))
+    want = np.bincount(ex[users, 5].ravel(), minlength=64) / (len(users) * ex.shape[2])
+    np.testing.assert_allclose(transition[l, 1, n2], want, rtol=1e-6)
+    np.testing.assert_allclose(prior[l], np.bincount(ex[:, l].ravel(), minlength=64) / ex[:, l].size, rtol=1e-6)
 
 
 def test_token_rows(tables):
@@ -31,7 +54,7 @@ def test_token_rows(tables):
 def test_round_trip(tables, tmp_path):
     tables.save(tmp_path / "t")
     back = load_tables(tmp_path / "t", num_layers=26, num_experts=64, ep_size=8)
-    for field in ("t2d_tokens", "t2d_score", "markov", "oov_score"):
+    for field in ("t2d_tokens", "t2d_score", "markov", "oov_score", "transition", "expert_prior"):
         np.testing.assert_array_equal(getattr(back, field), getattr(tables, field))
     np.testing.assert_array_equal(back.placement.expert_device, tables.placement.expert_device)
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
@@ -81,22 +104,29 @@ def test_replicated_tables_count_every_copy(replicated, small_trace):
 def test_replicated_round_trip_and_format_1_still_loads(replicated, tables, tmp_path):
     replicated.save(tmp_path / "r")
     manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
-    assert manifest["format"] == "vllm-semmoe-tables/2" and manifest["redundant"] == 1
+    assert manifest["format"] == "vllm-semmoe-tables/3" and manifest["redundant"] == 1
     back = load_tables(tmp_path / "r", num_layers=26, num_experts=64, ep_size=8)
     np.testing.assert_array_equal(back.placement.replicas, replicated.placement.replicas)
     np.testing.assert_array_equal(back.placement.physical_to_logical(), replicated.placement.physical_to_logical())
-    # a format-1 directory (no replicas array, no "redundant") written by earlier versions
+    # a format-1 directory (no replicas array, no "redundant", no X table) written by earlier
+    # versions loads, without X (the TP scheduler then uses the A table)
     tables.save(tmp_path / "old")
     manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
     manifest["format"] = "vllm-semmoe-tables/1"
     del manifest["redundant"]
     (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
     with np.load(tmp_path / "old" / "tables.npz") as data:
-        arrays = {k: data[k] for k in data.files if k != "replicas"}
+        arrays = {k: data[k] for k in data.files if k not in ("replicas", "transition", "expert_prior")}
     np.savez_compressed(tmp_path / "old" / "tables.npz", **arrays)
     old = load_tables(tmp_path / "old", num_layers=26, num_experts=64, ep_size=8)
-    assert old.placement.redundant == 0
+    assert old.placement.redundant == 0 and old.transition is None
     np.testing.assert_array_equal(old.placement.expert_device, tables.placement.expert_device)
+    with pytest.raises(TablesError, match="no transition"):
+        old.log_evidence()
+    # half an X table is a damaged directory
+    np.savez_compressed(tmp_path / "old" / "tables.npz", **arrays, transition=tables.transition)
+    with pytest.raises(TablesError, match="not both"):
+        load_tables(tmp_path / "old")
 
 
 def test_unseen_tokens_take_their_nearest_profiled_neighbour(small_trace, tmp_path):

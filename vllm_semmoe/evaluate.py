@@ -37,9 +37,7 @@ from .policy import get_policy
 from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
 from .trace import RoutingTrace
 
-#: default of the DP locality-vs-balance knob :attr:`EvalConfig.dp_balance` (chosen on the
-#: profiled requests only; see benchmarks/SEEDS.md)
-DEFAULT_DP_BALANCE = 0.1
+DEFAULT_DP_BALANCE = scheduling.DEFAULT_DP_BALANCE  # the knob's default, :attr:`EvalConfig.dp_balance`
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,11 @@ class EvalConfig:
     dp_balance: float = DEFAULT_DP_BALANCE  # DP: locality-vs-balance knob (scheduling.dp_choose_balanced):
     # relative preference given up per mean request of work above the least-loaded rank
     round_robin_mask: bool = False  # DP: the paper's mask instead of the work rule
+    tp_history: str = "experts"  # TP: what the scheduler conditions on besides T2D: "experts" (the
+    # token's experts at the two previous layers, the X table, where the tables have it) or
+    # "devices" (the paper's A table over the two previous layers' majority devices)
+    tp_evidence_weights: tuple = scheduling.TP_EVIDENCE_WEIGHTS  # TP, "experts": see
+    # scheduling.tp_expert_scores (what the engine uses is the default)
     dp_decode_weight: float | None = None  # DP: decode work per request (None: profile's mean
     # output length where the profile has decode tokens, else scheduling.DEFAULT_DECODE_WEIGHT)
 
@@ -69,7 +72,7 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     counts = placement_device_counts(trace.experts, placement)  # [T, L, E]
     extra = {}
     if config.mode == "tp":
-        device, imbalance = _tp_devices(trace, counts, tables, E, config.batch_tokens)
+        device, imbalance = _tp_devices(trace, counts, tables, E, config)
         oracle = counts.max(axis=2).sum()
     else:
         rank, imbalance = _dp_ranks(trace, tables, E, config)
@@ -103,7 +106,7 @@ def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoET
     data scheduling (Sem-MoE's with ``tables``, else the engines' default)."""
     if config.mode == "tp":
         counts = placement_device_counts(trace.experts, placement)
-        return _tp_devices(trace, counts, tables, placement.ep_size, config.batch_tokens)[0]
+        return _tp_devices(trace, counts, tables, placement.ep_size, config)[0]
     return _request_devices(trace, _dp_ranks(trace, tables, placement.ep_size, config)[0])
 
 
@@ -178,31 +181,55 @@ def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points:
     return {"requests": (at + 1).tolist(), "tokens": cumulative[at].tolist()}
 
 
-def _tp_devices(trace, counts, tables, ep_size, batch_tokens):
+def _tp_devices(trace, counts, tables, ep_size, config):
     """``([T, L] device per token and layer, mean per-batch token imbalance)``.
 
-    Batches are ``batch_tokens`` consecutive tokens, or the trace's requests when it is 0
+    Batches are ``config.batch_tokens`` consecutive tokens, or the trace's requests when it is 0
     (a step-ordered live capture, where each "request" is one engine step).
     """
     T, L = trace.num_tokens, trace.num_layers
-    starts = trace.offsets[:-1] if batch_tokens == 0 else np.arange(0, T, batch_tokens)
+    starts = trace.offsets[:-1] if config.batch_tokens == 0 else np.arange(0, T, config.batch_tokens)
     ends = np.append(starts[1:], T)
     device = np.empty((T, L), np.int64)
     if tables is None:
         for s, e in zip(starts, ends):
             device[s:e] = scheduling.contiguous_slices(e - s, ep_size)[:, None]
+        return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
+    if config.tp_history not in ("experts", "devices"):
+        raise ValueError(f"tp_history must be 'experts' or 'devices', got {config.tp_history!r}")
+    rows = tables.token_rows(trace.tokens)
+    t2d = tables.t2d_score.astype(np.float32)
+    if config.tp_history == "experts" and tables.transition is not None:
+        evidence, log_prior = tables.log_evidence(), np.log(np.maximum(tables.expert_prior, 1e-12))
+        holds = tables.placement.holds().astype(np.float32)
+        weights = np.asarray(config.tp_evidence_weights, np.float64)
+        experts = trace.experts.astype(np.int64)
+        for l in range(L):
+            scores = scheduling.tp_expert_scores(rows, previous_experts(experts, l), t2d[l], tables.oov_score[l],
+                                                 evidence[l], log_prior[l], holds[l], weights)
+            for s, e in zip(starts, ends):
+                device[s:e, l] = scheduling.tp_decide(scores[s:e], ep_size)[0]
     else:
-        rows = tables.token_rows(trace.tokens)
         major = majority_device(counts)
         history = np.full((T, L), -1, np.int64)
         history[:, 2:] = major[:, :-2] * ep_size + major[:, 1:-1]
-        t2d = tables.t2d_score.astype(np.float32)
         for l in range(L):
+            scores = scheduling.tp_layer_scores(rows, history[:, l], t2d[l], tables.oov_score[l], tables.markov[l],
+                                                scheduling.COMBINE_PRODUCT)
             for s, e in zip(starts, ends):
-                device[s:e, l], _, _ = scheduling.tp_schedule(
-                    rows[s:e], history[s:e, l], t2d[l], tables.oov_score[l], tables.markov[l], ep_size
-                )
+                device[s:e, l] = scheduling.tp_decide(scores[s:e], ep_size)[0]
     return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
+
+
+def previous_experts(experts: np.ndarray, layer: int) -> np.ndarray:
+    """``[T, 2, K]`` int64: each token's experts at ``layer - 1`` and ``layer - 2`` (``-1`` before
+    the first layer), the history :func:`.scheduling.tp_expert_scores` takes. experts ``[T, L, K]``."""
+    T, _, K = experts.shape
+    prev = np.full((T, 2, K), -1, np.int64)
+    for j in (1, 2):
+        if layer - j >= 0:
+            prev[:, j - 1] = experts[:, layer - j]
+    return prev
 
 
 @numba.njit(cache=True)

@@ -4,8 +4,9 @@ Pure functions over plain arrays so that the vLLM adapter, the offline evaluator
 benchmarks all call the same code. Scores are "share of the token's activations that would be
 local on each device" as stored in :class:`~vllm_semmoe.tables.SemMoETables`.
 
-- Attention-TP (intra-request): :func:`tp_layer_scores` scores devices per token from T2D and
-  the A table; :func:`align` gives every rank at most ``ceil(B/E)`` tokens, spilling to the
+- Attention-TP (intra-request): :func:`tp_expert_scores` scores devices per token from T2D and
+  the experts the token activated at the two previous layers (the X table; :func:`tp_layer_scores`
+  is the paper's rule with the A table, for tables without X); :func:`align` gives every rank at most ``ceil(B/E)`` tokens, spilling to the
   next-best rank; :func:`shuffle_permutation` turns the result into the permutation applied by
   the shuffled reduce-scatter and its inverse (applied by the shuffled all-gather).
 - Attention-DP (inter-request): :func:`request_votes` sums T2D votes over a prompt;
@@ -63,6 +64,78 @@ def tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine):
                 total += scores[b, e]
             for e in range(E):
                 scores[b, e] /= max(total, 1e-30)
+    return scores
+
+
+#: default weights of :func:`tp_expert_scores`: (T2D exponent, lag-1 weight, lag-2 weight),
+#: chosen on a split of the seed-0 profile only (``scripts/tune_tp_evidence.py``)
+TP_EVIDENCE_WEIGHTS = (0.3, 0.3, 0.2)
+
+
+@numba.njit(cache=True)
+def tp_expert_scores(rows, prev, t2d_layer, oov_layer, log_evidence, log_prior, holds, weights):
+    """Per-token device scores at one layer from T2D and the token's earlier experts.
+
+    The experts of layer ``l`` are predicted from those the token activated at layers ``l-1``
+    and ``l-2`` (known when layer ``l``'s shuffle is decided) as a tempered naive-Bayes
+    product, ``log q(m) = log p(m) + Σ_j w_j Σ_{n ∈ prev_j} log(X_j[n, m] / p(m))``, normalised;
+    ``q`` summed over the experts each device holds is the share of activations local there,
+    which multiplies T2D's (raised to ``w_0``) relative to the layer prior. Weights below 1
+    temper evidence that is not independent (a token's experts are correlated).
+
+    Args:
+        rows: ``[B]`` int64 row of each token in ``t2d_layer`` (``-1``: unseen → ``oov_layer``).
+        prev: ``[B, 2, K]`` int64 logical experts of each token at layers ``l-1`` and ``l-2``
+            (``-1``: unknown, e.g. at the first layers).
+        t2d_layer: ``[J, E]`` float32; oov_layer: ``[E]`` (the layer prior over devices).
+        log_evidence: ``[2, N, N]`` float32 ``log(X / p)`` (:meth:`.tables.SemMoETables.log_evidence`).
+        log_prior: ``[N]`` float32 ``log p`` of the layer's experts.
+        holds: ``[N, E]`` float32, 1 where device ``e`` holds a copy of expert ``n``.
+        weights: ``[3]`` float64 (T2D exponent, lag-1 weight, lag-2 weight).
+    Returns:
+        ``[B, E]`` float32 scores (a distribution over devices per token).
+    """
+    B = len(rows)
+    N, E = holds.shape
+    K = prev.shape[2]
+    scores = np.empty((B, E), np.float32)
+    logs = np.empty(E)
+    q = np.empty(N)
+    for b in range(B):
+        known = False
+        for j in range(prev.shape[1]):
+            for k in range(K):
+                if prev[b, j, k] >= 0:
+                    known = True
+        for e in range(E):
+            base = t2d_layer[rows[b], e] if rows[b] >= 0 else oov_layer[e]
+            logs[e] = weights[0] * np.log(max(base, 1e-9))
+        if known:
+            for m in range(N):
+                q[m] = log_prior[m]
+            for j in range(prev.shape[1]):
+                for k in range(K):
+                    n = prev[b, j, k]
+                    if n >= 0:
+                        for m in range(N):
+                            q[m] += weights[1 + j] * log_evidence[j, n, m]
+            top = q.max()
+            total = 0.0
+            for m in range(N):
+                q[m] = np.exp(q[m] - top)
+                total += q[m]
+            for e in range(E):
+                local = 0.0
+                for m in range(N):
+                    local += q[m] * holds[m, e]
+                logs[e] += np.log(max(local / total, 1e-9) / max(oov_layer[e], 1e-9))
+        top = logs.max()
+        total = 0.0
+        for e in range(E):
+            logs[e] = np.exp(logs[e] - top)
+            total += logs[e]
+        for e in range(E):
+            scores[b, e] = logs[e] / total
     return scores
 
 
@@ -174,17 +247,23 @@ def contiguous_slices(num_tokens: int, ep_size: int) -> np.ndarray:
     return np.arange(num_tokens) // slice_capacity(num_tokens, ep_size)
 
 
-def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int,
-                combine: int = COMBINE_PRODUCT):
-    """One layer's Attention-TP decision for a batch.
+def tp_decide(scores: np.ndarray, ep_size: int):
+    """One layer's Attention-TP decision for a batch scored ``[B, E]``
+    (:func:`tp_expert_scores` or :func:`tp_layer_scores`).
 
     Returns ``(device [B], slot_token [E*cap], token_slot [B])``; see :func:`align` and
     :func:`shuffle_permutation`.
     """
-    cap = slice_capacity(len(rows), ep_size)
-    device = align(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), cap)
+    cap = slice_capacity(len(scores), ep_size)
+    device = align(scores, cap)
     slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
     return device, slot_token, token_slot
+
+
+def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int,
+                combine: int = COMBINE_PRODUCT):
+    """:func:`tp_decide` on the A-table rule's scores (:func:`tp_layer_scores`)."""
+    return tp_decide(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), ep_size)
 
 
 # ---- Attention-DP ----------------------------------------------------------------------------
@@ -210,48 +289,12 @@ def request_votes(rows, offsets, t2d_score, oov_score):
     return votes
 
 
-@numba.njit(cache=True)
-def dp_choose(votes, length, state, price_step, eligible):
-    """One online DP decision: the rank maximising ``votes / length - price`` among ``eligible``.
-
-    ``state`` is ``[E + 2]`` float64: the ranks' prices, then the running mean prompt length and
-    the number of decisions so far; it is updated in place. The chosen rank's price rises and
-    the others' fall, in proportion to the request's length (an online subgradient step on the
-    dual of the token-balance constraint), so ranks whose experts everybody likes cost more and
-    preference decides only where it is strong.
-
-    Args:
-        votes: ``[E]`` predicted local activations per rank; length: prompt tokens;
-        eligible: ``[E]`` bool, ranks the caller allows (at least one must be True).
-    Returns:
-        The chosen rank.
-    """
-    E = votes.shape[0]
-    x = max(length, 1.0)
-    chosen = -1
-    best = -np.inf
-    for e in range(E):
-        if eligible[e]:
-            value = votes[e] / x - state[e]
-            if value > best:
-                best, chosen = value, e
-    count = state[E + 1] + 1.0
-    state[E] += (x - state[E]) / count
-    state[E + 1] = count
-    step = price_step * x / state[E]
-    for e in range(E):
-        state[e] -= step / E
-    state[chosen] += step
-    return chosen
-
-
-def dp_state(ep_size: int) -> np.ndarray:
-    """Fresh state for :func:`dp_choose` (zero prices, no history)."""
-    return np.zeros(ep_size + 2)
-
-
 #: Decode weight of a request when nothing better is known: tokens it will generate.
 DEFAULT_DECODE_WEIGHT = 128.0
+
+#: default of the DP locality-vs-balance knob of :func:`dp_choose_balanced` (chosen on the
+#: profiled requests only; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 0.1
 
 
 def request_work(lengths: np.ndarray, decode_weight: float = DEFAULT_DECODE_WEIGHT) -> np.ndarray:
@@ -283,7 +326,8 @@ def dp_choose_balanced(votes, load, mean_work, balance):
     (unseen tokens) goes to the least-loaded rank; one with a strong preference pays for it.
 
     Args:
-        votes: ``[E]`` predicted local activations per rank (:func:`request_votes`).
+        votes: ``[E]`` predicted local activations per rank (:func:`request_votes`); a rank the
+            caller excludes has ``-inf`` (at least one must be finite).
         load: ``[E]`` work per rank now: in serving the in-flight work (prompt plus tokens
             generated so far of running requests); offline the work of the rank's requests among
             the last ``W`` (see :func:`dp_assign`).

@@ -2,8 +2,12 @@
 live on an accelerator: the same device per token and the same permutation as the Numba code
 (property-tested), computed where the activations are, without copying the batch to the host.
 
-Operation order and precision follow the Numba functions (float32 products, float64 sums and
-prices, first index on ties), so the results are identical, not merely close. The price rounds
+For the A-table rule (:func:`tp_layer_scores`) operation order and precision follow the Numba
+functions (float32 products, float64 sums and prices, first index on ties), so the results are
+identical, not merely close. The X-table rule (:func:`tp_expert_scores`) takes logarithms and
+exponentials, which PyTorch and Numba round differently in the last bits: its scores agree to
+float32 rounding, and the decision equals Numba's wherever no two choices are that close
+(property-tested); every rank runs the same implementation on the same inputs, so ranks agree. The price rounds
 run a fixed number of times with finished rounds masked out (no host round trip); one flag is
 read after them, and the sequential repair step (only when the prices leave a device over
 capacity) runs on the host in Numba.
@@ -43,6 +47,32 @@ def tp_layer_scores(rows: torch.Tensor, history: torch.Tensor, t2d_layer: torch.
     markov32 = markov.to(torch.float32)
     use_markov = known & (markov32.amax(dim=1) > base.amax(dim=1))
     return torch.where(use_markov[:, None], markov32, base)
+
+
+def tp_expert_scores(rows: torch.Tensor, prev: torch.Tensor, t2d_layer: torch.Tensor, oov_layer: torch.Tensor,
+                     log_evidence: torch.Tensor, log_prior: torch.Tensor, holds: torch.Tensor,
+                     weights: tuple[float, float, float]) -> torch.Tensor:
+    """``[B, E]`` float32 device scores, as :func:`vllm_semmoe.scheduling.tp_expert_scores`.
+
+    Args:
+        rows: ``[B]`` int64 (``-1``: unseen); prev: ``[B, 2, K]`` int64 logical experts at the two
+        previous layers (``-1``: unknown); t2d_layer ``[J, E]``; oov_layer ``[E]``;
+        log_evidence ``[2, N, N]``; log_prior ``[N]``; holds ``[N, E]``; weights: 3 floats.
+    """
+    oov = oov_layer.to(torch.float64)
+    base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float64)[rows.clamp_min(0)], oov[None, :])
+    logs = weights[0] * torch.log(base.clamp_min(1e-9))
+    q = log_prior.to(torch.float64)[None, :].expand(prev.shape[0], -1).clone()
+    evidence = log_evidence.to(torch.float64)
+    for j in range(prev.shape[1]):
+        ids = prev[:, j]  # [B, K]
+        contribution = evidence[j][ids.clamp_min(0)] * (ids >= 0)[:, :, None]  # [B, K, N]
+        q = q + weights[1 + j] * contribution.sum(dim=1)
+    q = torch.exp(q - q.amax(dim=1, keepdim=True))
+    local = (q @ holds.to(torch.float64)) / q.sum(dim=1, keepdim=True)
+    known = (prev >= 0).flatten(1).any(dim=1)
+    logs = logs + known[:, None] * torch.log(local.clamp_min(1e-9) / oov.clamp_min(1e-9)[None, :])
+    return torch.softmax(logs, dim=1).to(torch.float32)
 
 
 def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Tensor:
@@ -114,9 +144,15 @@ def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tu
     return slot_token, token_slot
 
 
-def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int, combine: int = COMBINE_PRODUCT):
-    """One layer's decision on the tensors' device: ``(device [B], slot_token, token_slot)``."""
-    cap = slice_capacity(int(rows.shape[0]), ep_size)
-    device = align(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), cap)
+def tp_decide(scores: torch.Tensor, ep_size: int):
+    """One layer's decision on the scores' device: ``(device [B], slot_token, token_slot)``,
+    as :func:`vllm_semmoe.scheduling.tp_decide`."""
+    cap = slice_capacity(int(scores.shape[0]), ep_size)
+    device = align(scores, cap)
     slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
     return device, slot_token, token_slot
+
+
+def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int, combine: int = COMBINE_PRODUCT):
+    """:func:`tp_decide` on the A-table rule's scores (:func:`tp_layer_scores`)."""
+    return tp_decide(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), ep_size)

@@ -10,6 +10,13 @@ Per MoE layer ``l`` (E = EP size):
 - **A** ``markov[l, d2 * E + d1, :]``: the same share, predicted from the devices that held most
   of the token's experts at layers ``l-2`` (``d2``) and ``l-1`` (``d1``) — the paper's
   device-sequence Markov table (``[E^2, E]``); rows for ``l < 2`` are unused.
+- **X** ``transition[l, j - 1, n, m]`` (``j`` = 1, 2): the probability that an activation at
+  layer ``l`` goes to logical expert ``m`` given that the token activated expert ``n`` at layer
+  ``l - j``, and ``expert_prior[l, m]`` the layer's share of activations of ``m``. A token's
+  experts at the previous layers are known when the shuffle of layer ``l`` is decided (they were
+  routed), and they are sharper evidence than the A table's two majority devices: the scheduler
+  (:func:`.scheduling.tp_expert_scores`) combines them with T2D. In logical expert space, so
+  the same for any placement; rows for ``l < j`` are unused.
 
 Scores are smoothed towards the layer prior with ``alpha`` pseudo-occurrences so that tokens
 seen once do not claim full confidence. Tables save to a directory with a JSON manifest.
@@ -18,7 +25,8 @@ With replication (``placement.redundant = R > 0``) an expert may be held by seve
 "local on device ``e``" then means "``e`` holds a copy", so a token's shares over devices can
 sum to more than 1, and every table (and :func:`placement_device_counts`) counts copies.
 Format ``vllm-semmoe-tables/2`` adds ``redundant`` to the manifest and the ``replicas`` array;
-``/1`` tables (no replication) still load.
+``/3`` adds ``transition`` and ``expert_prior``. ``/1`` and ``/2`` tables still load (without X
+the TP scheduler uses the A table).
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from .trace import RoutingTrace
 
 MANIFEST = "manifest.json"
 ARRAYS = "tables.npz"
-FORMAT = "vllm-semmoe-tables/2"  # /2 adds "redundant" and the "replicas" array
-READABLE_FORMATS = ("vllm-semmoe-tables/1", FORMAT)
+FORMAT = "vllm-semmoe-tables/3"  # /2 adds "redundant" and "replicas"; /3 "transition", "expert_prior"
+READABLE_FORMATS = ("vllm-semmoe-tables/1", "vllm-semmoe-tables/2", FORMAT)
+#: previous layers whose experts the X table conditions on (``transition[:, j - 1]``: lag ``j``)
+TRANSITION_LAGS = 2
 
 
 class TablesError(ValueError):
@@ -63,6 +73,20 @@ class SemMoETables:
     #: profiled neighbour in the model's embedding space, :func:`nearest_profiled_rows`);
     #: ``None``: unseen tokens use ``oov_score``
     oov_rows: np.ndarray | None = None
+    #: ``[L, TRANSITION_LAGS, N, N]`` float32 optional: the X table (module docstring); ``None``
+    #: in tables older than format /3
+    transition: np.ndarray | None = None
+    #: ``[L, N]`` float32: share of each layer's activations per logical expert (with X)
+    expert_prior: np.ndarray | None = None
+
+    def log_evidence(self) -> np.ndarray:
+        """``[L, TRANSITION_LAGS, N, N]`` float32 ``log(X / expert_prior)``: what an earlier
+        expert ``n`` says about expert ``m`` (:func:`.scheduling.tp_expert_scores`'s input)."""
+        if self.transition is None:
+            raise TablesError("these tables have no transition (X) table; re-create them with `semmoe solve`")
+        floor = 1e-12
+        return (np.log(np.maximum(self.transition, floor))
+                - np.log(np.maximum(self.expert_prior, floor))[:, None, None, :]).astype(np.float32)
 
     @property
     def ep_size(self) -> int:
@@ -142,6 +166,8 @@ class SemMoETables:
             markov=self.markov,
             oov_score=self.oov_score,
             **({} if self.oov_rows is None else {"oov_rows": self.oov_rows}),
+            **({} if self.transition is None else {"transition": self.transition,
+                                                    "expert_prior": self.expert_prior}),
         )
         with open(os.path.join(directory, MANIFEST), "w") as f:
             json.dump(self.manifest(), f, indent=2)
@@ -182,7 +208,13 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
         "markov": (L, E * E, E),
         "oov_score": (L, E),
     }
+    N = placement.num_experts
+    has_x = "transition" in arrays or "expert_prior" in arrays
+    if has_x:
+        expected.update(transition=(L, TRANSITION_LAGS, N, N), expert_prior=(L, N))
     for key, shape in expected.items():
+        if key not in arrays:
+            raise TablesError(f"{arrays_path}: has transition or expert_prior but not both; {_RESOLVE}")
         if arrays[key].shape != shape or not np.issubdtype(arrays[key].dtype, np.floating):
             raise TablesError(f"{arrays_path}: {key} is {arrays[key].dtype} {arrays[key].shape}, expected "
                               f"floats of shape {shape}; {_RESOLVE}")
@@ -197,6 +229,8 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
         mode=manifest["mode"],
         source_trace=manifest["source_trace"],
         oov_rows=arrays.get("oov_rows"),
+        transition=arrays["transition"].astype(np.float32) if has_x else None,
+        expert_prior=arrays["expert_prior"].astype(np.float32) if has_x else None,
     )
     if num_layers is not None or num_experts is not None:
         tables.check_compatible(
@@ -212,7 +246,8 @@ _RESOLVE = "re-create the directory with `semmoe solve`"
 _MANIFEST_FIELDS = {"format": str, "method": str, "mode": str, "ep_size": int, "num_layers": int,
                     "num_experts": int, "top_k": int, "vocab_size": int, "source_trace": str}
 _ARRAY_FIELDS = ("expert_device", "t2d_tokens", "t2d_score", "markov", "oov_score")
-_OPTIONAL_ARRAYS = ("replicas", "oov_rows")  # format /2: replication, nearest-neighbour rows
+_OPTIONAL_ARRAYS = ("replicas", "oov_rows", "transition", "expert_prior")  # /2: replication,
+# nearest-neighbour rows; /3: the X table
 MODES = ("tp", "dp")
 
 
@@ -297,6 +332,7 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
     markov, seen = _markov_counts(dev_counts)  # [L, E*E, E] activations, [L, E*E] tokens
     markov = (markov / K + alpha * prior[:, None, :]) / (seen[:, :, None] + alpha)
     markov[:2] = 0.0
+    transition, expert_prior = expert_transitions(profile, alpha)
     return SemMoETables(
         placement=placement,
         t2d_tokens=token_ids,
@@ -308,7 +344,44 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
         mode=mode,
         source_trace=profile.fingerprint(),
         oov_rows=None if embedding is None else nearest_profiled_rows(embedding, token_ids),
+        transition=transition,
+        expert_prior=expert_prior,
     )
+
+
+def expert_transitions(profile: RoutingTrace, alpha: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The X table of ``profile``: ``(transition [L, TRANSITION_LAGS, N, N], expert_prior [L, N])``
+    float32 (module docstring), each row smoothed towards the layer's expert prior with
+    ``alpha`` pseudo-occurrences of the earlier expert."""
+    L, N, K = profile.num_layers, profile.num_experts, profile.top_k
+    experts = profile.experts.astype(np.int64)
+    prior = np.stack([np.bincount(experts[:, l].ravel(), minlength=N) for l in range(L)]).astype(np.float64)
+    prior /= np.maximum(prior.sum(axis=1, keepdims=True), 1.0)
+    counts, seen = _transition_counts(experts, N, TRANSITION_LAGS)
+    transition = (counts / K + alpha * prior[:, None, None, :]) / np.maximum(seen[:, :, :, None] + alpha, 1e-12)
+    for j in range(1, TRANSITION_LAGS + 1):
+        transition[:j, j - 1] = 0.0
+    return transition.astype(np.float32), prior.astype(np.float32)
+
+
+@numba.njit(cache=True)
+def _transition_counts(experts, num_experts, lags):
+    """``([L, lags, N, N] activations of m at l by tokens that used n at l - j, [L, lags, N]
+    tokens that used n at l - j)``; experts ``[T, L, K]``."""
+    T, L, K = experts.shape
+    out = np.zeros((L, lags, num_experts, num_experts))
+    seen = np.zeros((L, lags, num_experts))
+    for t in range(T):
+        for l in range(L):
+            for j in range(1, lags + 1):
+                if l < j:
+                    continue
+                for a in range(K):
+                    n = experts[t, l - j, a]
+                    seen[l, j - 1, n] += 1.0
+                    for b in range(K):
+                        out[l, j - 1, n, experts[t, l, b]] += 1.0
+    return out, seen
 
 
 def nearest_profiled_rows(embedding: np.ndarray, profiled: np.ndarray, chunk: int = 4096) -> np.ndarray:

@@ -120,7 +120,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         e2d[name] = placement.expert_device.astype(np.int16)
         if mode == "tp":
             counts = device_counts(sub.experts, placement.expert_device, E)
-            device, _ = ev._tp_devices(sub, counts, tables, E, batch_tokens)
+            device, _ = ev._tp_devices(sub, counts, tables, E, ev.EvalConfig(mode="tp", batch_tokens=batch_tokens))
             plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
             plan_dev[name] = device[:n_tok].astype(np.int16)
         else:

@@ -172,7 +172,7 @@ def cmd_eval(args) -> int:
     if args.seeds and args.eval:
         raise SystemExit("semmoe: --seeds re-splits --profile per seed; it cannot be used with --eval")
     config = EvalConfig(mode=args.mode, batch_tokens=args.batch_tokens, dp_window=args.dp_window,
-                        dp_balance=args.dp_balance,
+                        dp_balance=args.dp_balance, tp_history=args.tp_history,
                         round_robin_mask=args.round_robin_mask, dp_decode_weight=args.dp_decode_weight)
     seeds = args.seeds or [args.seed]
     embedding = _embedding(args)
@@ -340,6 +340,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(methods)}")
     p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")
+    p.add_argument("--tp-history", choices=("experts", "devices"), default="experts",
+                   help="TP: what semmoe's scheduler conditions on besides T2D: the token's experts at the "
+                        "two previous layers (the X table; default) or the paper's A table over the two "
+                        "previous layers' majority devices")
     p.add_argument("--dp-window", type=int, default=None,
                    help="DP: requests per balance window (default 32 x ranks)")
     p.add_argument("--dp-balance", type=float, default=DEFAULT_DP_BALANCE,

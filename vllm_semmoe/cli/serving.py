@@ -40,10 +40,15 @@ def serve_parser():
     parser.add_argument("--capture", metavar="PATH",
                         help="record the live routing to PATH (e.g. routing.npz; written as it runs into "
                              "PATH.parts/, read with any semmoe command)")
+    parser.add_argument("--dp-balance", type=float, metavar="B", default=SemMoEConfig.dp_balance,
+                        help="dp mode: locality-vs-balance knob (preference given up per mean request of "
+                             "in-flight work above the least-loaded rank)")
+    parser.add_argument("--dp-decode-weight", type=float, metavar="W", default=SemMoEConfig.dp_decode_weight,
+                        help="dp mode: work of a request beyond its prompt, in tokens (its expected output "
+                             "length)")
     parser.add_argument("--dp-slack", type=float, metavar="S", default=SemMoEConfig.dp_slack,
-                        help="dp mode: balance guard, queue-score slack in requests")
-    parser.add_argument("--dp-price-step", type=float, metavar="P", default=SemMoEConfig.dp_price_step,
-                        help="dp mode: token-balance price step")
+                        help="dp mode: hard guard, never a rank whose queue score exceeds the least-loaded "
+                             "rank's by more than S requests")
     return parser
 
 
@@ -187,7 +192,7 @@ def cmd_bench_serve(args) -> int:
         runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                                    dp_slack=args.dp_slack, dp_price_step=args.dp_price_step, dtype=args.dtype))
+                                    dp_balance=args.dp_balance, dtype=args.dtype))
     first = runs[0]
     print(f"bench-serve: DP {first['dp']} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
@@ -209,7 +214,7 @@ def cmd_bench_serve(args) -> int:
 
 def serve_command(argv: list[str]) -> list[str]:
     """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]
-    [--dp-slack S] [--dp-price-step P]`` → the
+    [--dp-balance B] [--dp-decode-weight W] [--dp-slack S]`` → the
     ``vllm serve`` command line with ``--additional-config`` carrying the plugin settings."""
     import json
 
@@ -294,10 +299,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
-    p.add_argument("--dp-slack", type=float, default=None,
-                   help="semmoe: queue-score guard slack in requests (default: the plugin's, 8)")
-    p.add_argument("--dp-price-step", type=float, default=None,
-                   help="semmoe: token-balance price step (default: the plugin's, 0.1)")
+    p.add_argument("--dp-balance", type=float, default=None,
+                   help="semmoe: locality-vs-balance knob (default: the plugin's, 0.1)")
     p.add_argument("--workdir", default=os.path.join("out", "bench_serve"), help="tables, logs and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)

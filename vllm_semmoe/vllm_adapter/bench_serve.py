@@ -93,8 +93,8 @@ def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: f
 def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, policy: str = "semmoe",
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
-                    max_model_len: int = 1024, startup_timeout: float = 300, dp_slack: float | None = None,
-                    dp_price_step: float | None = None, dtype: str = "bfloat16") -> dict:
+                    max_model_len: int = 1024, startup_timeout: float = 300, dp_balance: float | None = None,
+                    dtype: str = "bfloat16") -> dict:
     """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (one of :data:`POLICIES`)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -124,10 +124,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
            "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
            "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--dispatch", dispatch,
            "--capture", capture]
-    if dp_slack is not None:
-        cmd += ["--dp-slack", str(dp_slack)]
-    if dp_price_step is not None:
-        cmd += ["--dp-price-step", str(dp_price_step)]
+    if dp_balance is not None:
+        cmd += ["--dp-balance", str(dp_balance)]
     _say(f"starting {policy} server (DP {dp} + EP), log in {log_path}")
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

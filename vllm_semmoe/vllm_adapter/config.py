@@ -7,13 +7,16 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .. import scheduling
 from ..tables import SemMoETables, TablesError, load_tables
 
 MODES = ("placement-only", "tp", "dp")
 #: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
 #: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
 DISPATCHES = ("vllm", "sparse")
-KEYS = ("tables", "capture", "mode", "dispatch", "dp_slack", "dp_price_step")
+KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_decode_weight", "dp_slack")
+#: keys of earlier versions -> what replaced them
+RENAMED = {"dp_price_step": "dp_balance (the token-price rule became work balancing)"}
 
 
 class SemMoEConfigError(ValueError):
@@ -33,17 +36,22 @@ class SemMoEConfig:
             the Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
             ``dp`` where the layout allows it (DP > 1, TP 1, expert parallelism), else ``vllm``.
-        dp_slack: ``dp`` mode balance guard: never choose a rank whose queue score (vLLM's:
+        dp_balance: ``dp`` mode locality-vs-balance knob (``scheduling.dp_choose_balanced``):
+            relative preference a request gives up per mean request of in-flight work its
+            preferred rank carries beyond the least-loaded one.
+        dp_decode_weight: ``dp`` mode work of a request beyond its prompt tokens (its expected
+            output length; ``scheduling.request_work``).
+        dp_slack: ``dp`` mode hard guard: never choose a rank whose queue score (vLLM's:
             in-flight plus queued requests) exceeds the least-loaded rank's by more than this.
-        dp_price_step: ``dp`` mode token-balance price step (see ``scheduling.dp_choose``).
     """
 
     tables: str | None = None
     capture: str | None = None
     mode: str = "placement-only"
     dispatch: str | None = None
+    dp_balance: float = scheduling.DEFAULT_DP_BALANCE
+    dp_decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT
     dp_slack: float = 8.0
-    dp_price_step: float = 0.1
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "SemMoEConfig | None":
@@ -57,6 +65,9 @@ class SemMoEConfig:
         raw = additional_config["semmoe"]
         if not isinstance(raw, dict):
             raise SemMoEConfigError(f"additional_config['semmoe'] must be a JSON object, got {type(raw).__name__}")
+        renamed = [f"{k!r} (now {RENAMED[k]})" for k in sorted(set(raw) & set(RENAMED))]
+        if renamed:
+            raise SemMoEConfigError(f"additional_config['semmoe']: key(s) {', '.join(renamed)} no longer exist")
         unknown = sorted(repr(k) for k in set(raw) - set(KEYS))
         if unknown:
             raise SemMoEConfigError(
@@ -87,7 +98,7 @@ class SemMoEConfig:
         if tables is None and capture is None and dispatch is None:
             raise SemMoEConfigError("additional_config['semmoe'] sets none of 'tables', 'capture', 'dispatch'")
         numbers = {}
-        for key in ("dp_slack", "dp_price_step"):
+        for key in ("dp_balance", "dp_decode_weight", "dp_slack"):
             if key in raw:
                 value = raw[key]
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):

@@ -1,14 +1,24 @@
 """Attention-DP inside vLLM: choose each request's data-parallel rank the Sem-MoE way.
 
 Runs in the API server process, in vLLM's DP load balancer
-(``DPLBAsyncMPClient.get_core_engine_for_request``). The decision itself is the pure
-:func:`vllm_semmoe.scheduling.dp_choose`; this module only gathers its inputs (the prompt's
-T2D votes, which ranks the balance guard allows) and keeps per-rank counters.
+(``DPLBAsyncMPClient.get_core_engine_for_request``). The decision is the pure
+:func:`vllm_semmoe.scheduling.dp_choose_balanced`, the rule the offline evaluation measures
+(``window_imbalance``): the prompt's T2D votes against each rank's in-flight work. This module
+gathers its inputs and keeps per-rank counters.
+
+In-flight work per rank: vLLM's own count of the rank's unfinished requests (its load
+balancer's queue score: waiting plus running, or in-flight requests times API servers) taken
+as that many of the requests this router sent there most recently, each weighing its prompt
+tokens plus the decode weight (:func:`vllm_semmoe.scheduling.request_work`: generated tokens
+are not visible here, the decode weight stands for them); requests beyond the ones it sent
+(other API servers') count the mean work.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 
 import numpy as np
 
@@ -24,20 +34,24 @@ class DpRouter:
     Args:
         tables: tables whose EP size is ``num_ranks * ranks_per_dp`` (DP rank ``r`` owns EP
             devices ``r * ranks_per_dp ..``).
-        slack: balance guard: a rank whose queue score exceeds the least-loaded rank's by more
-            than this is never chosen (score = vLLM's own: in-flight and queued requests).
-        price_step: step of the token-balance prices (:func:`scheduling.dp_choose`).
+        balance: the locality-vs-balance knob of :func:`.scheduling.dp_choose_balanced`.
+        slack: hard guard: a rank whose queue score exceeds the least-loaded rank's by more
+            than this (in requests) is never chosen.
+        decode_weight: work of a request beyond its prompt (expected generated tokens).
     """
 
-    def __init__(self, tables: SemMoETables, num_ranks: int, *, slack: float, price_step: float):
+    def __init__(self, tables: SemMoETables, num_ranks: int, *, balance: float = scheduling.DEFAULT_DP_BALANCE,
+                 slack: float = math.inf, decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT):
         if tables.ep_size % num_ranks:
             raise ValueError(f"tables for EP {tables.ep_size} cannot be split over {num_ranks} DP ranks")
         self.tables = tables
         self.num_ranks = num_ranks
         self.ranks_per_dp = tables.ep_size // num_ranks
-        self.slack, self.price_step = slack, price_step
+        self.balance, self.slack, self.decode_weight = balance, slack, decode_weight
         self.t2d = tables.t2d_score.astype(np.float32)
-        self.state = scheduling.dp_state(num_ranks)
+        #: work of the requests sent to each rank, newest last (enough to cover its in-flight ones)
+        self.sent: list[collections.deque] = [collections.deque(maxlen=4096) for _ in range(num_ranks)]
+        self.total_work = 0.0
         self.requests = np.zeros(num_ranks, np.int64)
         self.prompt_tokens = np.zeros(num_ranks, np.int64)
         self.metrics = _prometheus_counters()
@@ -50,16 +64,34 @@ class DpRouter:
                                               self.tables.oov_score)[0]
         return per_device.reshape(self.num_ranks, self.ranks_per_dp).sum(axis=1)
 
+    def in_flight_work(self, queue_scores) -> np.ndarray:
+        """``[num_ranks]`` estimated in-flight work from vLLM's per-rank queue scores (module
+        docstring)."""
+        mean = self.mean_work()
+        load = np.zeros(self.num_ranks)
+        for r, score in enumerate(queue_scores):
+            n = max(0, int(math.ceil(score)))
+            mine = list(self.sent[r])[-n:] if n else []
+            load[r] = sum(mine) + (n - len(mine)) * mean
+        return load
+
+    def mean_work(self) -> float:
+        count = int(self.requests.sum())
+        return self.total_work / count if count else float(scheduling.request_work([1.0], self.decode_weight)[0])
+
     def choose(self, prompt_token_ids, queue_scores) -> int:
-        """Rank for a request, given each rank's current queue score (lower = less loaded)."""
+        """Rank for a request, given each rank's queue score (vLLM's: unfinished requests)."""
         scores = np.asarray(queue_scores, np.float64)
-        eligible = scores <= scores.min() + self.slack
-        rank = int(scheduling.dp_choose(self.votes(prompt_token_ids), float(len(prompt_token_ids)),
-                                        self.state, self.price_step, eligible))
+        votes = self.votes(prompt_token_ids)
+        votes[scores > scores.min() + self.slack] = -np.inf
+        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), self.mean_work(), self.balance))
         self.record(rank, len(prompt_token_ids))
         return rank
 
     def record(self, rank: int, prompt_tokens: int) -> None:
+        work = float(scheduling.request_work([prompt_tokens], self.decode_weight)[0])
+        self.sent[rank].append(work)
+        self.total_work += work
         self.requests[rank] += 1
         self.prompt_tokens[rank] += prompt_tokens
         if self.metrics:

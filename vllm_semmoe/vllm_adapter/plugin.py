@@ -293,11 +293,16 @@ def warm_up_scheduler(tables, ep_size: int) -> None:
     import numpy as np
 
     from .. import scheduling
+    from .state import StepContext, new_moe_counters
+    from .tp_shuffle import TpShuffleLayer
 
-    rows = np.array([-1, 0], np.int64)
-    history = np.array([-1, 0], np.int64)
-    scheduling.tp_schedule(rows, history, tables.t2d_score[0].astype(np.float32), tables.oov_score[0],
-                           tables.markov[0], ep_size)
+    layer = TpShuffleLayer(0, tables)
+    step = StepContext(np.array([-1, 0], np.int64), tables, None, new_moe_counters())
+    step.experts[0] = np.zeros((2, tables.top_k), np.int64)
+    step.major[0] = np.zeros(2, np.int64)
+    if layer.shuffle:
+        for index in range(min(2, tables.num_layers)):  # without and with history
+            TpShuffleLayer(index, tables).schedule(step, 2, ep_size)
     scheduling.shuffle_permutation(scheduling.contiguous_slices(2, ep_size), ep_size, 1)
 
 
@@ -565,7 +570,8 @@ def make_dp_router(vllm_config, num_ranks: int):
     from ..tables import load_tables
     from .dp_routing import DpRouter
 
-    router = DpRouter(load_tables(config.tables), num_ranks, slack=config.dp_slack,
-                      price_step=config.dp_price_step)
-    logger.info("semmoe: Sem-MoE DP routing over %d ranks (guard slack %.1f)", num_ranks, config.dp_slack)
+    router = DpRouter(load_tables(config.tables), num_ranks, balance=config.dp_balance, slack=config.dp_slack,
+                      decode_weight=config.dp_decode_weight)
+    logger.info("semmoe: Sem-MoE DP routing over %d ranks (balance %.3g, decode weight %.0f, guard slack %.1f)",
+                num_ranks, config.dp_balance, config.dp_decode_weight, config.dp_slack)
     return router

@@ -41,13 +41,16 @@ class StepContext:
 
     Attributes:
         rows: ``[B]`` int64 table row of each token of the step (``-1``: unseen token).
-        major: layer -> ``[B]`` EP rank holding most of each token's experts (TP-shuffle history).
+        experts: layer -> ``[B, K]`` logical experts of each token (TP-shuffle history).
+        major: layer -> ``[B]`` EP rank holding most of each token's experts (the history of
+            tables without the X table).
         recorder: the engine's routing recorder (``None``: not recording).
         counters: the engine's MoE exchange counters (a dict of :data:`MOE_COUNTER_KEYS`).
     """
 
     def __init__(self, tokens: np.ndarray, tables, recorder, counters: dict):
         self.rows = tables.token_rows(tokens)
+        self.experts: dict[int, Any] = {}
         self.major: dict[int, Any] = {}
         self.recorder = recorder
         self.counters = counters

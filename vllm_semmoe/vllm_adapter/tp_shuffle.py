@@ -46,7 +46,13 @@ from .state import StepContext  # noqa: F401  (the step context the hooks pass i
 
 class TpShuffleLayer:
     """Per-MoE-layer state: its index and the tables (counters live in the engine's state and
-    reach the layer through the step context)."""
+    reach the layer through the step context).
+
+    The decision conditions on T2D and, where the tables have the X table, on the experts each
+    token activated at the two previous MoE layers (:func:`.scheduling.tp_expert_scores`; those
+    layers' routing is in the step context); older tables use the A table over the previous
+    layers' majority devices (:func:`.scheduling.tp_layer_scores`).
+    """
 
     def __init__(self, layer: int, tables: SemMoETables):
         self.layer = layer
@@ -54,27 +60,56 @@ class TpShuffleLayer:
         self.shuffle = tables.placement.method == "semmoe"
         self.t2d = tables.t2d_score[layer].astype(np.float32)
         self.p2l = tables.placement.physical_to_logical()[layer]  # physical slot -> logical expert
-        self._device_tables: dict = {}  # device -> (t2d, oov, markov) tensors for on-device decisions
+        self.uses_experts = tables.transition is not None
+        if self.uses_experts:
+            self.evidence = tables.log_evidence()[layer]  # [2, N, N]
+            self.log_prior = np.log(np.maximum(tables.expert_prior[layer], 1e-12)).astype(np.float32)
+            self.holds = tables.placement.holds()[layer].astype(np.float32)  # [N, E]
+            self.weights = np.asarray(scheduling.TP_EVIDENCE_WEIGHTS, np.float64)
+        self._device_tables: dict = {}  # device -> tables as tensors for on-device decisions
 
     def schedule(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device | None = None):
         """``(slot_token, token_slot, capacity)``, identical on every rank.
 
         With activations on a CUDA ``device`` the decision runs there, in PyTorch ops
-        (:func:`_schedule_on_device`: the same permutation), and the index tensors stay there;
+        (:func:`_schedule_on_device`: the same rule), and the index tensors stay there;
         otherwise in Numba on the host (NumPy arrays).
         """
         if self.shuffle and device is not None and device.type == "cuda":
             return self._schedule_on_device(step, num_tokens, ep_size, device)
         cap = scheduling.slice_capacity(num_tokens, ep_size)
         if self.shuffle:
-            history = self._history(step, num_tokens, ep_size)
-            _, slot_token, token_slot = scheduling.tp_schedule(
-                step.rows, history, self.t2d, self.tables.oov_score[self.layer],
-                self.tables.markov[self.layer], ep_size)
+            if self.uses_experts:
+                scores = scheduling.tp_expert_scores(
+                    step.rows, self.previous_experts(step, num_tokens), self.t2d, self.tables.oov_score[self.layer],
+                    self.evidence, self.log_prior, self.holds, self.weights)
+            else:
+                scores = scheduling.tp_layer_scores(
+                    step.rows, self._history(step, num_tokens, ep_size), self.t2d, self.tables.oov_score[self.layer],
+                    self.tables.markov[self.layer], scheduling.COMBINE_PRODUCT)
+            _, slot_token, token_slot = scheduling.tp_decide(scores, ep_size)
         else:
             device = scheduling.contiguous_slices(num_tokens, ep_size)
             slot_token, token_slot = scheduling.shuffle_permutation(device, ep_size, cap)
         return slot_token, token_slot, cap
+
+    def record(self, step: StepContext, physical_ids: np.ndarray, ep_size: int) -> None:
+        """Keep this layer's routing ``[B, K]`` (physical ids, every token of the step) as history
+        for the next layers' decisions."""
+        if self.uses_experts:
+            step.experts[self.layer] = self.p2l[physical_ids]
+        else:
+            step.major[self.layer] = _majority(physical_ids, len(self.p2l) // ep_size, ep_size)
+
+    def previous_experts(self, step: StepContext, num_tokens: int) -> np.ndarray:
+        """``[B, 2, K]`` logical experts of every token at the two previous MoE layers (``-1``:
+        not routed in this step, e.g. before the first layer)."""
+        prev = np.full((num_tokens, 2, self.tables.top_k), -1, np.int64)
+        for j in (1, 2):
+            ids = step.experts.get(self.layer - j)
+            if ids is not None and ids.shape == prev[:, j - 1].shape:
+                prev[:, j - 1] = ids
+        return prev
 
     def _history(self, step: StepContext, num_tokens: int, ep_size: int) -> np.ndarray:
         """``[B]`` ``d2 * E + d1`` of the two previous layers' majority devices (``-1``: unknown)."""
@@ -88,12 +123,21 @@ class TpShuffleLayer:
 
         tables = self._device_tables.get(device)
         if tables is None:
+            arrays = ((self.t2d, self.tables.oov_score[self.layer], self.evidence, self.log_prior, self.holds)
+                      if self.uses_experts else
+                      (self.t2d, self.tables.oov_score[self.layer], self.tables.markov[self.layer]))
             tables = self._device_tables[device] = tuple(
-                torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                for a in (self.t2d, self.tables.oov_score[self.layer], self.tables.markov[self.layer]))
+                torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays)
         rows = torch.from_numpy(step.rows).to(device, non_blocking=True)
-        history = torch.from_numpy(np.asarray(self._history(step, num_tokens, ep_size), np.int64)).to(device)
-        _, slot_token, token_slot = scheduling_torch.tp_schedule(rows, history, *tables, ep_size)
+        if self.uses_experts:
+            prev = torch.from_numpy(self.previous_experts(step, num_tokens)).to(device)
+            t2d, oov, evidence, log_prior, holds = tables
+            scores = scheduling_torch.tp_expert_scores(rows, prev, t2d, oov, evidence, log_prior, holds,
+                                                       tuple(self.weights))
+        else:
+            history = torch.from_numpy(np.asarray(self._history(step, num_tokens, ep_size), np.int64)).to(device)
+            scores = scheduling_torch.tp_layer_scores(rows, history, *tables)
+        _, slot_token, token_slot = scheduling_torch.tp_decide(scores, ep_size)
         return slot_token, token_slot, scheduling.slice_capacity(num_tokens, ep_size)
 
 
@@ -148,11 +192,10 @@ def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepCo
                              shared_experts_input)
     out = torch.zeros((B, *out_my.shape[1:]), dtype=out_my.dtype, device=out_my.device)
     out.index_copy_(0, mine, out_my)
-    n_local = int(forward_modular.__self__.global_num_experts) // world
     start = time.perf_counter()
     all_ids = topk_ids.long().cpu().numpy()
     step.counters["host_sync_s"] += time.perf_counter() - start
-    step.major[layer.layer] = _majority(all_ids, n_local, world)
+    layer.record(step, all_ids, world)
     return out
 
 
@@ -212,8 +255,7 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     start = time.perf_counter()
     full_ids = full_ids.cpu().numpy()
     step.counters["host_sync_s"] += time.perf_counter() - start
-    n_local = int(runner.routed_experts.global_num_experts) // group.world_size
-    step.major[layer.layer] = _majority(full_ids, n_local, group.world_size)
+    layer.record(step, full_ids, group.world_size)
     if step.recorder is not None:  # the recorder takes logical ids
         step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids]))
     return out_my

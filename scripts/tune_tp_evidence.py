@@ -1,0 +1,50 @@
+"""How the TP scheduler's evidence weights (``scheduling.TP_EVIDENCE_WEIGHTS``) were chosen:
+on the profiled requests only, never on evaluation requests.
+
+The seed-0 profile (20% of the DeepSeek-V2-Lite dev trace's requests) is split 50/50 again;
+Sem-MoE is solved and its tables built on one half, and the TP LAR of every weight triple in
+a small grid is measured on the other half (EP 8, 512-token batches). Also printed: the paper's
+A-table rule (``--tp-history devices``) on the same split.
+
+Printed on 2026-11-30 (2-core CPU VM): A-table rule 0.3518; best (0.3, 0.3, 0.2) 0.3762 (tied
+with (0.5, 0.3, 0.2); lag-2 weight 0: 0.3705-0.3711) → the default (0.3, 0.3, 0.2).
+
+    .venv/bin/python scripts/tune_tp_evidence.py [--trace PATH]
+"""
+
+import argparse
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+from vllm_semmoe import scheduling
+from vllm_semmoe.evaluate import EvalConfig, evaluate
+from vllm_semmoe.policy import get_policy
+from vllm_semmoe.tables import build_tables
+from vllm_semmoe.trace import load_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    args = parser.parse_args()
+    profile, _ = load_trace(args.trace).split(0.2, 0)
+    fit, check = profile.split(0.5, 0)
+    placement = get_policy("semmoe").solve(fit, 8, mode="tp", seed=0)
+    tables = build_tables(fit, placement, mode="tp")
+    config = EvalConfig(mode="tp")
+    print(f"A-table rule (devices): lar {evaluate(check, placement, tables, replace(config, tp_history='devices'))['lar']:.4f}")
+    default = scheduling.TP_EVIDENCE_WEIGHTS
+    results = {}
+    for weights in itertools.product((0.3, 0.5, 0.7, 1.0), (0.3, 0.4, 0.5), (0.0, 0.2, 0.3)):
+        results[weights] = evaluate(check, placement, tables, replace(config, tp_evidence_weights=weights))["lar"]
+        print(f"weights {weights}: lar {results[weights]:.4f}", flush=True)
+    best = max(results, key=results.get)
+    print(f"best {best}: lar {results[best]:.4f}; default {default}: "
+          f"{results.get(default, float('nan')):.4f}")
+
+
+if __name__ == "__main__":
+    main()
