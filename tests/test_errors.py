@@ -110,6 +110,18 @@ def test_damaged_manifest(tables_dir, manifest, message):
         SemMoEConfig(tables=str(tables_dir)).load_tables(num_layers=None, num_experts=32, ep_size=1)
 
 
+def test_replicated_tables_are_refused_at_engine_start(tmp_path):
+    """Replica slots are evaluated offline; the plugin says so instead of serving them wrongly."""
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+
+    trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=256, num_requests=20)
+    build_tables(trace, get_policy("semmoe").solve(trace, 2, redundant=1)).save(tmp_path / "r")
+    with pytest.raises(SemMoEConfigError, match=r"every rank 1 replica slot\(s\) .*--redundant 0"):
+        SemMoEConfig(tables=str(tmp_path / "r")).load_tables(num_layers=2, num_experts=8, ep_size=2)
+
+
 def test_tables_directory_without_arrays(tables_dir):
     os.remove(tables_dir / "tables.npz")
     with pytest.raises(TablesError, match=r"no tables\.npz; re-create the directory with `semmoe solve`"):

@@ -119,24 +119,28 @@ def tp_expert_scores(rows, prev, t2d_layer, oov_layer, log_evidence, log_prior, 
                     if n >= 0:
                         for m in range(N):
                             q[m] += weights[1 + j] * log_evidence[j, n, m]
-            top = q.max()
-            total = 0.0
-            for m in range(N):
-                q[m] = np.exp(q[m] - top)
-                total += q[m]
+            _softmax(q)
             for e in range(E):
                 local = 0.0
                 for m in range(N):
                     local += q[m] * holds[m, e]
-                logs[e] += np.log(max(local / total, 1e-9) / max(oov_layer[e], 1e-9))
-        top = logs.max()
-        total = 0.0
+                logs[e] += np.log(max(local, 1e-9) / max(oov_layer[e], 1e-9))
+        _softmax(logs)
         for e in range(E):
-            logs[e] = np.exp(logs[e] - top)
-            total += logs[e]
-        for e in range(E):
-            scores[b, e] = logs[e] / total
+            scores[b, e] = logs[e]
     return scores
+
+
+@numba.njit(cache=True)
+def _softmax(x):
+    """``x [n]`` float64 log-weights → their normalised exponentials, in place."""
+    top = x.max()
+    total = 0.0
+    for i in range(len(x)):
+        x[i] = np.exp(x[i] - top)
+        total += x[i]
+    for i in range(len(x)):
+        x[i] /= total
 
 
 @numba.njit(cache=True)

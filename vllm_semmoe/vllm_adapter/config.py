@@ -159,6 +159,13 @@ class SemMoEConfig:
         except TablesError as exc:
             hint = "; solve tables for this model and EP size (semmoe solve --ep)" if "configuration" in str(exc) else ""
             raise SemMoEConfigError(f"semmoe: {exc}{hint}") from None
+        if tables.placement.redundant:
+            R = tables.placement.redundant
+            raise SemMoEConfigError(
+                f"semmoe: tables {self.tables} give every rank {R} replica slot(s) (solved with --redundant {R}); "
+                "serving replicas is not supported yet (it needs vLLM's redundant expert slots, which only its "
+                "EPLB drives): serve tables solved with --redundant 0; replicas are evaluated offline "
+                "(semmoe eval --redundant R)")
         if self.mode != "placement-only" and tables.mode != self.mode:
             raise SemMoEConfigError(
                 f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
