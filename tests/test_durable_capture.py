@@ -125,12 +125,12 @@ def test_live_meter_in_chunks_equals_evaluate_on_all_steps(method):
     """The recorder keeps no history: live LAR is accumulated chunk by chunk, and must equal
     ``evaluate`` on all steps at once (one batch per step)."""
     from vllm_semmoe.evaluate import EvalConfig, evaluate
-    from vllm_semmoe.vllm_adapter.capture import LiveMeter
+    from vllm_semmoe.vllm_adapter.capture import ReplayMeter
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=300, num_requests=30)
     tables = build_tables(trace, get_policy(method).solve(trace, 4))
     steps = trace  # every "request" of the trace plays one engine step
-    meter = LiveMeter(tables, vocab_size=trace.vocab_size)
+    meter = ReplayMeter(tables, vocab_size=trace.vocab_size)
     lengths = np.diff(steps.offsets)
     for chunk in np.array_split(np.arange(steps.num_requests), 4):
         rows = slice(steps.offsets[chunk[0]], steps.offsets[chunk[-1] + 1])

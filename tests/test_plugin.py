@@ -64,7 +64,7 @@ def test_placement_is_lossless_in_process(baseline, prompts, tmp_path):
     np.testing.assert_array_equal(placed.tokens, trace.tokens)
     # physical ids captured under the placement map back to the plugin-off logical ids
     np.testing.assert_array_equal(placed.experts, trace.experts)
-    assert "live" in summary and 0.0 <= summary["live"]["lar"] <= 1.0
+    assert "replayed" in summary and 0.0 <= summary["replayed"]["lar"] <= 1.0
 
 
 def test_placement_is_lossless_multi_process(baseline, prompts, tmp_path):

@@ -212,8 +212,9 @@ def figure_bench_serve(runs: list[tuple[str, dict]]):
     for i, (label, r) in enumerate(runs):
         x = np.arange(len(r["rank_prompt_tokens"])) + i * width
         moe = f", MoE {r['moe_bytes_per_token']:.0f} B/token" if "moe_bytes_per_token" in r else ""
+        lar = "-" if r.get("live_lar") is None else f"{r['live_lar']:.3f}"
         ax.bar(x, r["rank_prompt_tokens"], width, label=f"{r['policy']} (max/mean {r['rank_imbalance']:.3f}, "
-                                                        f"live LAR {r['live_lar']:.3f}{moe})")
+                                                        f"live LAR {lar}{moe})")
     ranks = max(len(r["rank_prompt_tokens"]) for _, r in runs)
     ax.set_xticks(np.arange(ranks) + width * (len(runs) - 1) / 2, [str(i) for i in range(ranks)])
     ax.set_xlabel("DP rank")

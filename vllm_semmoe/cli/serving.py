@@ -152,19 +152,20 @@ def cmd_demo(args) -> int:
 
     result = demo(args.model or _default_model(), args.dataset, args.workdir, ep_size=args.ep,
                   profile_prompts=args.profile_prompts, eval_prompts=args.eval_prompts, skip=args.skip,
-                  max_tokens=args.max_tokens)
+                  max_tokens=args.max_tokens, dtype=args.dtype)
     rows = result["methods"]
     van, sem = rows["vanilla"], rows["semmoe"]
     print(f"Sem-MoE demo: {os.path.basename(result['model'])}; profiled {result['profile']['prompts']} ShareGPT "
           f"prompts, served {result['eval']['prompts']} others")
-    print(f"1. executed EP: DP {result['executed_dp']} + EP {result['executed_dp']} engines (one process per rank); "
-          "MoE bytes counted by the engines")
+    print(f"1. executed EP: DP {result['executed_dp']} + EP {result['executed_dp']} engines (one process per rank), "
+          f"{result['dtype']}; MoE bytes counted by the engines")
     print(f"{'method':<10}{'moe_B/token':>13}{'vs vanilla':>12}{'live_lar':>10}{'ok':>5}  digest")
     for name, row in rows.items():
         print(f"{name:<10}{row['moe_bytes_per_token']:>13.0f}{row['moe_bytes_per_token'] / van['moe_bytes_per_token']:>11.3f}x"
               f"{row['live_lar']:>10.4f}{row['ok']:>5}  {row['output_digest']}")
     print("   outputs identical" if result["outputs_identical"] else
-          "   outputs differ (see the README: the placement regroups the bf16 partial sums)")
+          "   outputs differ" + (" (see the README: in bfloat16 the placement regroups the experts' partial sums)"
+                                 if result["dtype"] == "bfloat16" else ""))
     print(f"2. simulated EP {result['ep_size']} on one device (TP mode): nothing moves, activations counted")
     print(f"{'method':<10}{'replayed_lar':>14}{'offline_replay_lar':>20}{'tokens':>8}")
     for name, row in rows.items():
@@ -180,28 +181,34 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from ..vllm_adapter.bench_serve import POLICIES, run_bench_serve
+    from ..vllm_adapter.bench_serve import POLICIES, TP_POLICIES, run_bench_serve
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    if args.tp > 1 and args.dp is not None:
+        raise SystemExit("semmoe bench-serve: give --dp N (DP + EP) or --tp N (TP + EP), not both")
+    known = TP_POLICIES if args.tp > 1 else POLICIES
+    layout = f"TP {args.tp}" if args.tp > 1 else f"DP {args.dp or 2}"
+    policies = [p.strip() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
     if not policies or unknown:
-        raise SystemExit(f"semmoe bench-serve: --policy takes policies from {', '.join(POLICIES)} "
+        raise SystemExit(f"semmoe bench-serve: under {layout} --policy takes policies from {', '.join(known)} "
                          f"(comma-separated), got {args.policy!r}")
     runs = []
     for policy in policies:  # back to back, the same prompts
-        runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir, dp=args.dp,
+        runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
+                                    dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
                                     dp_balance=args.dp_balance, dtype=args.dtype))
     first = runs[0]
-    print(f"bench-serve: DP {first['dp']} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
+    print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
     base = runs[0]["moe_bytes_per_token"]
     print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
     for r in runs:
         print(f"{r['policy']:<16}{r['ok']:>5}{r['failed']:>7}{r['moe_bytes_per_token']:>13.0f}"
-              f"{r['moe_bytes_per_token'] / base if base else float('nan'):>11.3f}x{r['live_lar']:>10.4f}"
+              f"{r['moe_bytes_per_token'] / base if base else float('nan'):>11.3f}x"
+              f"{'-' if r['live_lar'] is None else format(r['live_lar'], '.4f'):>10}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['tpot_s']:>8.3f}{r['throughput_tok_s']:>8.1f}"
               f"  {r['output_digest']}")
     same = len({r["output_digest"] for r in runs}) == 1
@@ -286,14 +293,18 @@ def add_parsers(sub) -> None:
                        add_help=False)
     p.set_defaults(func=None)
 
-    p = sub.add_parser("bench-serve", help="DP + EP serving benchmark: engine-counted MoE bytes, LAR and latency per policy")
+    p = sub.add_parser("bench-serve", help="DP + EP or TP + EP serving benchmark: engine-counted MoE bytes, LAR and "
+                                           "latency per policy")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
-    p.add_argument("--dp", type=int, default=2, help="data-parallel size (expert parallel over all ranks)")
-    p.add_argument("--policy", default="vllm,sparse,placement-only,semmoe",
-                   help="comma-separated, run back to back on the same prompts: vllm (stock, metered), sparse "
-                        "(stock placement and routing, sparse EP dispatch), placement-only (Sem-MoE placement, "
-                        "sparse dispatch), semmoe (Sem-MoE placement and DP routing, sparse dispatch)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size, expert parallel over all ranks (default 2)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size instead of DP (TP + EP, modes tp)")
+    p.add_argument("--policy", default=None,
+                   help="comma-separated, run back to back on the same prompts (default: all of the layout's). "
+                        "DP: vllm (stock, metered), sparse (stock placement and routing, sparse EP dispatch), "
+                        "placement-only (Sem-MoE placement, sparse dispatch), semmoe (Sem-MoE placement and DP "
+                        "routing, sparse dispatch). TP: vllm (stock TP + EP, metered), contiguous (the shuffled "
+                        "pipeline on contiguous slices, the paper's baseline), semmoe (mode tp)")
     p.add_argument("--num-prompts", type=int, default=200, help="requests sent")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
@@ -320,6 +331,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=100, help="other prompts served with each placement")
     p.add_argument("--skip", type=int, default=3000, help="first prompt used (the tiny model never trained on 3000+)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the executed EP engines' dtype: float32 gives stock vLLM's tokens exactly; in bfloat16 "
+                        "vLLM's CPU fused-MoE kernel sums a token's experts in physical order, so a re-placed "
+                        "model rounds its partial sums differently and some texts part")
     p.add_argument("--workdir", default=os.path.join("out", "demo"), help="traces, tables and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_demo)

@@ -1,12 +1,14 @@
-"""``semmoe bench-serve``: DP serving of the embedded model under a bounded ShareGPT load.
+"""``semmoe bench-serve``: serving the embedded model under a bounded ShareGPT load, DP + EP
+or TP + EP.
 
-Starts ``semmoe serve`` with data parallelism and expert parallelism on loopback, sends a
-bounded number of streamed completions at a fixed concurrency, stops the server, and reports
-requests ok/failed, TTFT, TPOT, throughput, a digest of the generated text, and, from the
-engines' own counters: the MoE bytes they moved per token (:mod:`.ep_dispatch`), live LAR
-(from the routing the engines ran) and the prompt tokens each DP rank processed.
+Starts ``semmoe serve`` with data (or tensor) parallelism and expert parallelism on loopback,
+sends a bounded number of streamed completions at a fixed concurrency, stops the server, and
+reports requests ok/failed, TTFT, TPOT, throughput, a digest of the generated text, and, from
+the engines' own counters: the MoE bytes they moved per token (:mod:`.ep_dispatch`), live LAR
+(from the routing the engines ran, or in TP mode from the exchange) and, under DP, the prompt
+tokens each rank processed.
 
-Policies (:data:`POLICIES`), what users would choose between:
+DP policies (:data:`POLICIES`), what users would choose between:
 
 - ``vllm``: stock vLLM (identity placement, vLLM's request balancer, its all-gather /
   reduce-scatter MoE dispatch), metered only;
@@ -14,6 +16,14 @@ Policies (:data:`POLICIES`), what users would choose between:
   holding its experts): the saving of the dispatch alone;
 - ``placement-only``: Sem-MoE's placement with the sparse dispatch, vLLM's request balancer;
 - ``semmoe``: Sem-MoE's placement and request routing (mode ``dp``) with the sparse dispatch.
+
+TP policies (:data:`TP_POLICIES`):
+
+- ``vllm``: stock vLLM TP + EP (tokens replicated, every rank runs its experts on all of them,
+  two all-reduces per decoder layer), its collectives metered;
+- ``contiguous``: the shuffled pipeline (mode ``tp``) on the reduce-scatter's contiguous
+  slices, identity placement (the paper's baseline);
+- ``semmoe``: mode ``tp`` with Sem-MoE's placement and token schedule.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from ..policy import get_policy
 from ..prompts import load_prompts
 from ..tables import build_tables
 from ..trace import load_trace
+from .ep_dispatch import BYTE_KEYS, EXCHANGE_KEYS
 
 
 def _say(message: str) -> None:
@@ -58,6 +69,12 @@ POLICIES = {
     "sparse": ("vanilla", "placement-only", "sparse"),
     "placement-only": ("semmoe", "placement-only", "sparse"),
     "semmoe": ("semmoe", "dp", "sparse"),
+}
+#: TP + EP policy -> (placement method, plugin mode)
+TP_POLICIES = {
+    "vllm": ("vanilla", "placement-only"),
+    "contiguous": ("vanilla", "tp"),
+    "semmoe": ("semmoe", "tp"),
 }
 
 
@@ -90,14 +107,19 @@ def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: f
         return {"ok": False, "error": str(exc)}
 
 
-def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, policy: str = "semmoe",
+def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: int = 1, policy: str = "semmoe",
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 300, dp_balance: float | None = None,
                     dtype: str = "bfloat16") -> dict:
-    """Serve ``model`` with DP=``dp`` + EP and measure the ``policy`` (one of :data:`POLICIES`)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
+    measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP)."""
+    if tp > 1 and dp != 1:
+        raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
+    policies = TP_POLICIES if tp > 1 else POLICIES
+    if policy not in policies:
+        raise ValueError(f"policy must be one of {', '.join(policies)} under {'TP' if tp > 1 else 'DP'}, "
+                         f"got {policy!r}")
     os.makedirs(workdir, exist_ok=True)
     if profile_trace is None:
         from .workflows import profile
@@ -106,12 +128,17 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
         if not os.path.exists(profile_trace):
             profile(model, dataset, profile_prompts, profile_trace, skip=skip)
     trace = load_trace(profile_trace)
-    method, mode, dispatch = POLICIES[policy]
-    tables_dir = os.path.join(workdir, f"tables_{method}_dp{dp}")
+    ep, solve_mode = (tp, "tp") if tp > 1 else (dp, "dp")
+    if tp > 1:
+        (method, mode), dispatch = TP_POLICIES[policy], None
+    else:
+        method, mode, dispatch = POLICIES[policy]
+    tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}")
     if not os.path.isdir(tables_dir):
-        build_tables(trace, get_policy(method).solve(trace, dp, mode="dp"), mode="dp").save(tables_dir)
-    capture = os.path.join(workdir, f"served_{policy}.npz")
-    for stale in glob.glob(capture.replace(".npz", ".dp*")):
+        build_tables(trace, get_policy(method).solve(trace, ep, mode=solve_mode),
+                     mode=solve_mode).save(tables_dir)
+    capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}.npz")
+    for stale in glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*")):
         os.remove(stale)
     shutil.rmtree(capture + ".parts", ignore_errors=True)
     prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
@@ -121,12 +148,13 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
     log_path = os.path.join(workdir, f"server_{policy}.log")
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", str(dp),
-           "--enable-expert-parallel", "--tables", tables_dir, "--mode", mode, "--dispatch", dispatch,
-           "--capture", capture]
+           "--enforce-eager", "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
+           "--mode", mode, "--capture", capture]
+    cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else ["--data-parallel-size", str(dp), "--dispatch", dispatch]
     if dp_balance is not None:
         cmd += ["--dp-balance", str(dp_balance)]
-    _say(f"starting {policy} server (DP {dp} + EP), log in {log_path}")
+    layout = f"TP {tp}" if tp > 1 else f"DP {dp}"
+    _say(f"starting {policy} server ({layout} + EP), log in {log_path}")
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -141,7 +169,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, poli
             metrics = scrape_metrics(base)
         finally:
             stop_server(server)
-    summary = _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens)
+    summary = _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens)
     summary["metrics"] = metrics
     summary["dtype"] = dtype
     return summary
@@ -209,36 +237,50 @@ def stop_server(server) -> None:
             server.wait()
 
 
-def _summarise(policy, dp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
+def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
+    """The run's figures from the requests' results and the engines' live counters files (one
+    per DP rank, or per TP rank under TP: :func:`.plugin.live_counters_path`)."""
     ok = [r for r in results if r.get("ok")]
     rank_prompt_tokens, local, remote, tokens = [], 0, 0, 0
-    traffic = dict.fromkeys(("dispatch_bytes", "combine_bytes", "metadata_bytes"), 0)
-    for rank in range(dp):
-        path = capture.replace(".npz", f".dp{rank}.npz") + ".live.json"
+    traffic: dict = {}
+    root, _ = os.path.splitext(capture)
+    paths = ([f"{root}.npz.tp{t}.live.json" for t in range(tp)] if tp > 1 else
+             [f"{root}.dp{rank}.npz.live.json" for rank in range(dp)])
+    for rank, path in enumerate(paths):
         if not os.path.exists(path):
-            raise RuntimeError(f"engine {rank} wrote no live counters ({path}); see the server log")
+            raise RuntimeError(f"engine rank {rank} wrote no live counters ({path}); see the server log")
         with open(path) as f:
             live = json.load(f)
-        local += live["local_activations"]
-        remote += live["remote_activations"]
-        rank_prompt_tokens.append(int(live["prompt_tokens"]))
-        tokens += int(live["tokens"])
         if "moe_traffic" not in live:
-            raise RuntimeError(f"engine {rank} counted no MoE traffic ({path}); is it DP + EP?")
-        for key in traffic:
-            traffic[key] += int(live["moe_traffic"][key])
+            raise RuntimeError(f"engine rank {rank} counted no MoE traffic ({path}); is it running with EP?")
+        moved = live["moe_traffic"]
+        for key in BYTE_KEYS:
+            traffic[key] = traffic.get(key, 0) + int(moved[key])
+        if tp > 1:  # every TP rank sees every token; locality is what the exchange found
+            local += int(moved["local_activations"])
+            remote += int(moved["remote_activations"])
+            tokens = int(live["tokens"])
+            rank_prompt_tokens = [int(live["prompt_tokens"])]
+        else:
+            local += live["local_activations"]
+            remote += live["remote_activations"]
+            rank_prompt_tokens.append(int(live["prompt_tokens"]))
+            tokens += int(live["tokens"])
+    traffic = {key: value for key, value in traffic.items() if value or key in EXCHANGE_KEYS}
     loads = np.asarray(rank_prompt_tokens, float)
     tpots = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     digest = hashlib.sha256(json.dumps([r.get("text") for r in results]).encode()).hexdigest()[:16]
     return {
         "policy": policy,
         "dp": dp,
+        "tp": tp,
         "ok": len(ok),
         "failed": len(results) - len(ok),
         "moe_bytes_per_token": sum(traffic.values()) / max(tokens, 1),
         "moe_bytes": traffic,
         "tokens": tokens,
-        "live_lar": local / max(local + remote, 1),
+        # None: no exchange ran (stock TP + EP replicates tokens: every activation is computed in place)
+        "live_lar": local / (local + remote) if local + remote else None,
         "rank_prompt_tokens": rank_prompt_tokens,
         "rank_imbalance": float(loads.max() / loads.mean()) if loads.sum() else float("nan"),
         "ttft_p50_s": float(np.median([r["ttft_s"] for r in ok])) if ok else float("nan"),

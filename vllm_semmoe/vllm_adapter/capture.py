@@ -9,7 +9,7 @@ step to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_
 capture survives any way the engine stops, and the recorder keeps no history. For live LAR,
 steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
 (or :func:`~vllm_semmoe.vllm_adapter.plugin.flush_capture` runs) and are then counted by a
-:class:`LiveMeter`: memory stays bounded however long the engine serves.
+:class:`ReplayMeter`: memory stays bounded however long the engine serves.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class RoutingRecorder:
         vocab: token strings (index = token id) and ``vocab_size``.
 
     ``store`` (a :class:`~vllm_semmoe.capture_store.SegmentWriter`, set by :meth:`open_store`)
-    receives every step as it ends; ``meter`` (a :class:`LiveMeter`) counts them for live LAR.
+    receives every step as it ends; ``meter`` (a :class:`ReplayMeter`) replays them through the offline evaluator.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
@@ -55,8 +55,8 @@ class RoutingRecorder:
         self._pending_tokens = 0
         self._current: dict | None = None
         self.store: SegmentWriter | None = None
-        self.meter: LiveMeter | None = None
-        self.dp_counters: DpLiveCounters | None = None
+        self.meter: ReplayMeter | None = None
+        self.live_counters: LiveCounters | None = None
 
     # ---- hooks -----------------------------------------------------------------------------
     def begin_forward(self, req_ids: list[str], num_prompt_tokens: np.ndarray, bounds: np.ndarray,
@@ -108,12 +108,12 @@ class RoutingRecorder:
             except OSError:  # disk full, directory removed, ...: say so once, keep serving
                 logger.exception("semmoe: could not append to the routing capture; capture stopped")
                 self.store = None
-        if self.dp_counters is not None:
+        if self.live_counters is not None:
             prompt = step["position"] < step["prompt_len"][step["request"]]
             physical = experts
             if self.l2p is not None:
                 physical = self.l2p[np.arange(self.num_layers)[None, :, None], experts]
-            self.dp_counters.update(physical, int(prompt.sum()), self.num_steps)
+            self.live_counters.update(physical, int(prompt.sum()), self.num_steps)
         if self.meter is not None:
             self._pending.append((step["token"], experts))
             self._pending_tokens += len(step["token"])
@@ -137,9 +137,13 @@ class RoutingRecorder:
         return len(steps)
 
 
-class LiveMeter:
-    """Live LAR of the captured steps against ``tables``' placement, as the engine batched them,
-    accumulated chunk by chunk (the steps themselves are not kept).
+class ReplayMeter:
+    """The offline evaluator replayed on the captured steps, as the engine batched them, against
+    ``tables``' placement, accumulated chunk by chunk (the steps themselves are not kept).
+
+    Not a live measurement: it recomputes what the scheduler would do from the captured routing
+    (the capture summary's ``replayed``). What the engine really did is in the engines' own
+    counters (``moe_traffic``: bytes and local / remote activations counted in the MoE layers).
 
     Data-parallel serving (``dp_size > 1``): every token of this engine lives on DP rank
     ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
@@ -202,21 +206,29 @@ class LiveMeter:
         return out
 
 
-class DpLiveCounters:
-    """Per-engine live counters under data parallelism, written to a small JSON every step.
+class LiveCounters:
+    """Per-engine live counters, written to a small JSON every step.
 
     Engine processes are often killed at server shutdown before they can write anything, so
     these counters (what ``semmoe bench-serve`` and a user watching the server read) are kept
-    on disk as they change: local and remote activations of this DP rank (an activation is
-    local when its physical expert slot is on one of this rank's EP devices), prompt tokens
-    and steps.
+    on disk as they change: tokens, prompt tokens and steps of this engine, the MoE exchange
+    counters of this rank (``moe_traffic``: bytes its collectives sent, activations its exchange
+    found local / remote), and under data parallelism the local and remote activations of this
+    DP rank (an activation is local when its physical expert slot is on one of this rank's EP
+    devices). One file per DP rank, and per TP rank when TP > 1 (each TP rank sends its own
+    bytes).
+
+    Args:
+        dp_size: ``> 1``: count this DP rank's local / remote activations here; ``1``: the
+            exchange counts them (TP shuffle) or nothing is remote (one EP rank per token).
     """
 
     def __init__(self, path: str, dp_rank: int, dp_size: int, num_experts: int, ep_size: int,
-                 traffic: dict | None = None):
+                 traffic: dict | None = None, tp_rank: int = 0):
         self.path = path
         self.traffic = traffic  # the engine's MoE exchange counters (read, written with the rest)
-        self.dp_rank = dp_rank
+        self.dp_rank, self.tp_rank = dp_rank, tp_rank
+        self.counts_locality = dp_size > 1
         group = ep_size // dp_size
         per_device = num_experts // ep_size
         self.first_slot = dp_rank * group * per_device
@@ -224,9 +236,10 @@ class DpLiveCounters:
         self.local = self.remote = self.prompt_tokens = self.tokens = self.steps = 0
 
     def update(self, physical_experts: np.ndarray, prompt_tokens: int, steps: int) -> None:
-        local = int(((physical_experts >= self.first_slot) & (physical_experts < self.end_slot)).sum())
-        self.local += local
-        self.remote += physical_experts.size - local
+        if self.counts_locality:
+            local = int(((physical_experts >= self.first_slot) & (physical_experts < self.end_slot)).sum())
+            self.local += local
+            self.remote += physical_experts.size - local
         self.prompt_tokens += prompt_tokens
         self.tokens += physical_experts.shape[0]
         self.steps = steps
@@ -234,9 +247,11 @@ class DpLiveCounters:
 
     def write(self) -> None:
         """Write the counters (atomically: readers never see half a file)."""
-        payload = {"dp_rank": self.dp_rank, "steps": self.steps, "tokens": self.tokens,
-                   "prompt_tokens": self.prompt_tokens, "local_activations": self.local,
-                   "remote_activations": self.remote, "lar": self.local / max(self.local + self.remote, 1)}
+        payload = {"dp_rank": self.dp_rank, "tp_rank": self.tp_rank, "steps": self.steps, "tokens": self.tokens,
+                   "prompt_tokens": self.prompt_tokens}
+        if self.counts_locality:
+            payload.update(local_activations=self.local, remote_activations=self.remote,
+                           lar=self.local / max(self.local + self.remote, 1))
         if self.traffic is not None:
             payload["moe_traffic"] = dict(self.traffic)
         tmp = self.path + ".tmp"

@@ -346,16 +346,18 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
         # the router (and its hook) must run on every step, also in a compiled model
         compat.use_opaque_moe_op(runner)
     parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size > 1 and tables is not None and config.capture is not None:
-        from .capture import DpLiveCounters
+    if config.capture is not None and tables is not None and (
+            parallel.data_parallel_size > 1 or parallel.tensor_parallel_size > 1):
+        from .capture import LiveCounters
 
-        recorder.dp_counters = DpLiveCounters(
-            dp_capture_path(config.capture, parallel) + ".live.json", parallel.data_parallel_rank,
-            parallel.data_parallel_size, recorder.num_experts, tables.ep_size, traffic=state.counters)
+        recorder.live_counters = LiveCounters(
+            live_counters_path(config.capture, parallel, compat.tp_rank()), parallel.data_parallel_rank,
+            parallel.data_parallel_size, recorder.num_experts, tables.ep_size, traffic=state.counters,
+            tp_rank=compat.tp_rank())
     if tables is not None:
-        from .capture import LiveMeter
+        from .capture import ReplayMeter
 
-        recorder.meter = LiveMeter(tables, vocab_size=recorder.vocab_size, dp_rank=parallel.data_parallel_rank,
+        recorder.meter = ReplayMeter(tables, vocab_size=recorder.vocab_size, dp_rank=parallel.data_parallel_rank,
                                    dp_size=parallel.data_parallel_size)
     if config.capture is not None and compat.tp_rank() == 0:  # TP ranks see the same tokens: one writes
         recorder.open_store(config.capture, dp_rank=parallel.data_parallel_rank,
@@ -457,8 +459,8 @@ def publish_counters(state: SemMoEState, write_live: bool = False) -> None:
     if state.metrics is not None:
         state.metrics.update(state.counters)
     if write_live and state.dispatch is not None and state.recorder is not None \
-            and state.recorder.dp_counters is not None:
-        state.recorder.dp_counters.write()
+            and state.recorder.live_counters is not None:
+        state.recorder.live_counters.write()
 
 
 def _runner_state(runner) -> SemMoEState | None:
@@ -493,6 +495,15 @@ def dp_capture_path(path: str, parallel_config) -> str:
     return f"{root}.dp{parallel_config.data_parallel_rank}{ext}"
 
 
+def live_counters_path(path: str, parallel_config, tp_rank: int) -> str:
+    """The live counters file of this engine rank: ``X[.dp<r>].npz.live.json``, with ``.tp<t>``
+    before ``.live.json`` when TP > 1 (:class:`.capture.LiveCounters`)."""
+    base = dp_capture_path(path, parallel_config)
+    if parallel_config.tensor_parallel_size > 1:
+        base += f".tp{tp_rank}"
+    return base + ".live.json"
+
+
 def flush_capture(runner_or_worker) -> dict:
     """Return the live metrics (steps, live LAR, TP-shuffle counters) and write them beside the
     capture (``X.npz.json``, rank 0 of its TP group). The capture itself needs no flush: engines
@@ -518,7 +529,7 @@ def flush_state(state: SemMoEState) -> dict:
     if state.dispatch is not None or state.tp_metered:
         summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
     if recorder.meter is not None:
-        summary["live"] = recorder.meter.result()
+        summary["replayed"] = recorder.meter.result()
     if recorder.store is not None:
         from types import SimpleNamespace
 
