@@ -822,7 +822,7 @@ def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
             for policy in ("vllm", "contiguous", "semmoe")}
     print("bench-serve TP 2:", json.dumps({p: {k: r[k] for k in ("moe_bytes_per_token", "moe_bytes", "live_lar",
                                                                    "tokens")} for p, r in runs.items()}))
-    config = json.loads((tiny_moe_path() / "config.json").read_text())
+    config = json.loads((Path(tiny_moe_path()) / "config.json").read_text())
     row, layers = config["hidden_size"] * 2, config["num_hidden_layers"]  # bfloat16 rows
     for policy, run in runs.items():
         assert run["ok"] == 16 and run["failed"] == 0, run["errors"]

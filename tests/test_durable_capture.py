@@ -121,7 +121,7 @@ def test_stale_file_and_parts_together_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["vanilla", "semmoe"])
-def test_live_meter_in_chunks_equals_evaluate_on_all_steps(method):
+def test_replay_meter_in_chunks_equals_evaluate_on_all_steps(method):
     """The recorder keeps no history: live LAR is accumulated chunk by chunk, and must equal
     ``evaluate`` on all steps at once (one batch per step)."""
     from vllm_semmoe.evaluate import EvalConfig, evaluate

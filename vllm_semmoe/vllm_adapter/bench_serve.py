@@ -78,6 +78,25 @@ TP_POLICIES = {
 }
 
 
+def cpu_thread_binding(tp: int) -> dict:
+    """``{"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}``-style environment for TP ``tp`` on vLLM's CPU
+    build: its automatic binding gives each TP rank a NUMA node and refuses to start when there
+    are fewer nodes than ranks (a one-node VM), so this process's CPUs are split evenly over the
+    ranks instead. Empty where it does not apply: TP 1, a binding the user set, or a GPU."""
+    if tp < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"TP {tp} needs at least {tp} CPUs on vLLM's CPU build, this process may use {len(cpus)}")
+    share = len(cpus) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * share:(r + 1) * share]))
+                                                   for r in range(tp))}
+
+
 def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: float = 300) -> dict:
     """One streamed ``/v1/completions`` request: ``{"ok", "ttft_s", "latency_s", "tokens", "text"}``."""
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -138,7 +157,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
         build_tables(trace, get_policy(method).solve(trace, ep, mode=solve_mode),
                      mode=solve_mode).save(tables_dir)
     capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}.npz")
-    for stale in glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*")):
+    for stale in set(glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*"))):
         os.remove(stale)
     shutil.rmtree(capture + ".parts", ignore_errors=True)
     prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
@@ -156,7 +175,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     layout = f"TP {tp}" if tp > 1 else f"DP {dp}"
     _say(f"starting {policy} server ({layout} + EP), log in {log_path}")
     with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, **cpu_thread_binding(tp)})
         try:
             wait_healthy(base, server, startup_timeout, log_path)
             _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
