@@ -25,7 +25,7 @@ def batch(dev_trace):
     rows = tables.token_rows(trace.tokens)[:512]
     prev = previous_experts(trace.experts[:512].astype(np.int64), layer)
     return (rows, prev, tables.t2d_score[layer].astype(np.float32), tables.oov_score[layer],
-            tables.log_evidence()[layer], np.log(tables.expert_prior[layer]), placement.holds()[layer].astype(np.float32))
+            tables.log_evidence()[layer], tables.log_expert_prior()[layer], placement.holds()[layer].astype(np.float32))
 
 
 def _numba(arrays):

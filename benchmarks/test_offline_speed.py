@@ -29,7 +29,7 @@ def test_tp_schedule_throughput(benchmark, setup):
     layer = 10
     prev = previous_experts(trace.experts.astype(np.int64), layer)
     t2d = tables.t2d_score[layer].astype(np.float32)
-    evidence, log_prior = tables.log_evidence()[layer], np.log(tables.expert_prior[layer])
+    evidence, log_prior = tables.log_evidence()[layer], tables.log_expert_prior()[layer]
     holds = placement.holds()[layer].astype(np.float32)
     weights = np.asarray(scheduling.TP_EVIDENCE_WEIGHTS)
     starts = range(0, len(rows), 512)

@@ -200,7 +200,7 @@ def _tp_devices(trace, counts, tables, ep_size, config):
     rows = tables.token_rows(trace.tokens)
     t2d = tables.t2d_score.astype(np.float32)
     if config.tp_history == "experts" and tables.transition is not None:
-        evidence, log_prior = tables.log_evidence(), np.log(np.maximum(tables.expert_prior, 1e-12))
+        evidence, log_prior = tables.log_evidence(), tables.log_expert_prior()
         holds = tables.placement.holds().astype(np.float32)
         weights = np.asarray(config.tp_evidence_weights, np.float64)
         experts = trace.experts.astype(np.int64)

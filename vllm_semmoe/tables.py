@@ -31,6 +31,7 @@ the TP scheduler uses the A table).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -81,12 +82,22 @@ class SemMoETables:
 
     def log_evidence(self) -> np.ndarray:
         """``[L, TRANSITION_LAGS, N, N]`` float32 ``log(X / expert_prior)``: what an earlier
-        expert ``n`` says about expert ``m`` (:func:`.scheduling.tp_expert_scores`'s input)."""
+        expert ``n`` says about expert ``m`` (:func:`.scheduling.tp_expert_scores`'s input).
+        Computed once per tables object."""
+        return self._log_x[0]
+
+    def log_expert_prior(self) -> np.ndarray:
+        """``[L, N]`` float32 ``log(expert_prior)`` (:func:`.scheduling.tp_expert_scores`'s input)."""
+        return self._log_x[1]
+
+    @functools.cached_property
+    def _log_x(self) -> tuple[np.ndarray, np.ndarray]:
         if self.transition is None:
             raise TablesError("these tables have no transition (X) table; re-create them with `semmoe solve`")
         floor = 1e-12
-        return (np.log(np.maximum(self.transition, floor))
-                - np.log(np.maximum(self.expert_prior, floor))[:, None, None, :]).astype(np.float32)
+        log_prior = np.log(np.maximum(self.expert_prior, floor))
+        evidence = np.log(np.maximum(self.transition, floor)) - log_prior[:, None, None, :]
+        return evidence.astype(np.float32), log_prior.astype(np.float32)
 
     @property
     def ep_size(self) -> int:

@@ -17,6 +17,7 @@ are not visible here, the decode weight stands for them); requests beyond the on
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 
@@ -71,7 +72,7 @@ class DpRouter:
         load = np.zeros(self.num_ranks)
         for r, score in enumerate(queue_scores):
             n = max(0, int(math.ceil(score)))
-            mine = list(self.sent[r])[-n:] if n else []
+            mine = list(itertools.islice(reversed(self.sent[r]), n))  # the last n sent, not the whole deque
             load[r] = sum(mine) + (n - len(mine)) * mean
         return load
 

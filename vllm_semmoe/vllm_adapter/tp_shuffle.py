@@ -62,8 +62,8 @@ class TpShuffleLayer:
         self.p2l = tables.placement.physical_to_logical()[layer]  # physical slot -> logical expert
         self.uses_experts = tables.transition is not None
         if self.uses_experts:
-            self.evidence = tables.log_evidence()[layer]  # [2, N, N]
-            self.log_prior = np.log(np.maximum(tables.expert_prior[layer], 1e-12)).astype(np.float32)
+            self.evidence = tables.log_evidence()[layer]  # [2, N, N] (computed once per tables)
+            self.log_prior = tables.log_expert_prior()[layer]
             self.holds = tables.placement.holds()[layer].astype(np.float32)  # [N, E]
             self.weights = np.asarray(scheduling.TP_EVIDENCE_WEIGHTS, np.float64)
         self._device_tables: dict = {}  # device -> tables as tensors for on-device decisions
@@ -93,13 +93,15 @@ class TpShuffleLayer:
             slot_token, token_slot = scheduling.shuffle_permutation(device, ep_size, cap)
         return slot_token, token_slot, cap
 
-    def record(self, step: StepContext, physical_ids: np.ndarray, ep_size: int) -> None:
+    def record(self, step: StepContext, physical_ids: np.ndarray, ep_size: int) -> np.ndarray:
         """Keep this layer's routing ``[B, K]`` (physical ids, every token of the step) as history
-        for the next layers' decisions."""
+        for the next layers' decisions; returns it as logical ids."""
+        logical = self.p2l[physical_ids]
         if self.uses_experts:
-            step.experts[self.layer] = self.p2l[physical_ids]
+            step.experts[self.layer] = logical
         else:
             step.major[self.layer] = _majority(physical_ids, len(self.p2l) // ep_size, ep_size)
+        return logical
 
     def previous_experts(self, step: StepContext, num_tokens: int) -> np.ndarray:
         """``[B, 2, K]`` logical experts of every token at the two previous MoE layers (``-1``:
@@ -255,9 +257,9 @@ def moe_on_slice(runner, layer: TpShuffleLayer, x_my: torch.Tensor, step: StepCo
     start = time.perf_counter()
     full_ids = full_ids.cpu().numpy()
     step.counters["host_sync_s"] += time.perf_counter() - start
-    layer.record(step, full_ids, group.world_size)
+    logical = layer.record(step, full_ids, group.world_size)
     if step.recorder is not None:  # the recorder takes logical ids
-        step.recorder.on_layer(layer.layer, torch.from_numpy(layer.p2l[full_ids]))
+        step.recorder.on_layer(layer.layer, torch.from_numpy(logical))
     return out_my
 
 
