@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -p no:cacheprovider tests benchmarks "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider --durations=25 tests benchmarks "$@"

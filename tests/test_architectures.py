@@ -5,7 +5,9 @@ Each architecture is a tiny random checkpoint made at test time from its transfo
 (no tables: the model exactly as vLLM runs it) gives the reference greedy tokens and the
 *logical* experts every MoE layer chose for every token; then a random placement (seeded, every
 layer's experts shuffled across EP ranks, so expert groups are split) must give identical
-captured logical routing for every token and layer and identical greedy tokens.
+captured logical routing for every token and layer and identical greedy tokens. Modes:
+placement-only at TP 1 and at TP 2 + EP, ``tp`` mode at TP 2 + EP, ``dp`` mode at DP 2 + EP
+(Sem-MoE tables; the DP router, the sparse dispatch).
 
 dtype: float32 where the architecture runs in it on CPU (so that the fused-MoE kernel summing
 a token's experts in *physical* order cannot move bf16 roundings), bfloat16 for DeepSeek's MLA
@@ -45,12 +47,12 @@ def random_placement(num_layers: int, num_experts: int, ep_size: int, seed: int)
     return Placement(np.stack([rng.permutation(base) for _ in range(num_layers)]), ep_size, "random")
 
 
-def _run(model, tmp, name, dtype, semmoe):
+def _run(model, tmp, name, dtype, semmoe, one_at_a_time=False):
     from vllm_semmoe.vllm_adapter.engine import run_prompts
 
     capture = tmp / f"{name}.npz"
     tokens, _ = run_prompts(str(model), PROMPTS, max_tokens=MAX_TOKENS, max_model_len=256, dtype=dtype,
-                            semmoe={**semmoe, "capture": str(capture)})
+                            semmoe={**semmoe, "capture": str(capture)}, one_at_a_time=one_at_a_time)
     return tokens, load_trace(capture)
 
 
@@ -187,6 +189,117 @@ def test_tp_mode_tp2_ep(arch, tp2_runs):
     fused = counters["fused_layers_run"] == counters["layers_run"]
     assert fused == (arch == "qwen3_moe") and (fused or counters["fused_layers_run"] == 0), counters
     assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP")
+    assert tokens == ref_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# DP 2 + expert parallel, Sem-MoE's ``dp`` mode (one subprocess per architecture)
+# ---------------------------------------------------------------------------------------------
+
+DP2_SCRIPT = r"""
+import asyncio, json, sys
+
+async def serve(cfg):
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # vLLM's async engine with internal DP load balancing: the client (DPLBAsyncMPClient) whose
+    # rank choice the plugin's dp mode replaces, as under `vllm serve --data-parallel-size 2`
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=cfg["model"], dtype=cfg["dtype"], max_model_len=256, enforce_eager=True, seed=0,
+        enable_prefix_caching=False, data_parallel_size=2, enable_expert_parallel=True,
+        additional_config={"semmoe": cfg["semmoe"]}))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
+
+        async def one(i, prompt_token_ids):
+            final = None
+            async for out in llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id=str(i)):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        if cfg["one_at_a_time"]:
+            return [await one(i, p) for i, p in enumerate(cfg["prompt_token_ids"])]
+        # all requests in flight together, as concurrent clients would send them
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(cfg["prompt_token_ids"])))
+    finally:
+        llm.shutdown()
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    tokens = asyncio.run(serve(cfg))
+    with open(cfg["out"], "w") as f:
+        json.dump(tokens, f)
+"""
+
+
+def by_request_id(trace):
+    """The trace's requests in request-id order (a DP capture numbers them by first appearance)."""
+    return trace.select_requests(np.argsort(trace.request_ids, kind="stable"))
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(references):
+    """Per architecture, DP 2 + EP with Sem-MoE's ``dp`` mode (tables solved for DP 2 from the
+    reference capture: the placement, the API-side router, the sparse dispatch).
+
+    Returns (reference tokens, reference trace, tokens, trace, the capture's segment files, the
+    log), tokens in prompt order and traces in request-id order. float32 architectures: the
+    prompts in flight together, against the batched TP 1 reference. bfloat16 ones (DeepSeek's
+    MLA): a batch's bf16 GEMMs round differently at other batch shapes (seen: one decode token's
+    grouped top-k at the first MoE layer, with the plugin doing nothing to that token's hidden
+    state yet), so both runs serve one request at a time: every step's batch is one request,
+    the same in both.
+    """
+    import json
+    import sys
+
+    from test_cpu_parallel import _engine_env, _run_bounded
+
+    from vllm_semmoe.capture_store import parts_dir, read_capture, segment_files
+    from vllm_semmoe.policy import get_policy
+
+    cache = {}
+
+    def get(arch):
+        if arch in cache:
+            return cache[arch]
+        model, ref_tokens, ref_trace, tmp = references(arch)
+        one_at_a_time = arch in BF16_ONLY
+        if one_at_a_time:
+            ref_tokens, ref_trace = _run(model, tmp, "reference_one_at_a_time", dtype_of(arch), {}, one_at_a_time=True)
+        ref_trace = by_request_id(ref_trace)
+        build_tables(ref_trace, get_policy("semmoe").solve(ref_trace, 2, mode="dp"), mode="dp").save(tmp / "dp2_semmoe")
+        capture = tmp / "dp2_dp_mode.npz"
+        # the reference's prompt token ids (the tokenizer's, as the offline run fitted them)
+        prompts = [ref_trace.tokens[a:b][~ref_trace.is_decode[a:b]].tolist()
+                   for a, b in zip(ref_trace.offsets[:-1], ref_trace.offsets[1:])]
+        cfg = {"model": str(model), "dtype": dtype_of(arch), "prompt_token_ids": prompts, "max_tokens": MAX_TOKENS,
+               "one_at_a_time": one_at_a_time, "out": str(tmp / "dp2.json"),
+               "semmoe": {"tables": str(tmp / "dp2_semmoe"), "mode": "dp", "capture": str(capture)}}
+        _run_bounded([sys.executable, "-c", DP2_SCRIPT, json.dumps(cfg)],
+                     _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1"), tmp / "dp2.log", 900)
+        tokens = json.loads((tmp / "dp2.json").read_text())
+        directory = parts_dir(capture)
+        cache[arch] = (ref_tokens, ref_trace, tokens, by_request_id(read_capture(directory)),
+                       segment_files(directory), (tmp / "dp2.log").read_text(errors="replace"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dp_mode_dp2_ep(arch, dp2_runs):
+    """Sem-MoE's ``dp`` mode at DP 2 + EP: the router sends requests to both ranks, and every
+    token's captured logical routing and every greedy token equal the plugin-off reference."""
+    from vllm_semmoe.capture_store import read_segment
+
+    ref_tokens, ref_trace, tokens, trace, segments, log = dp2_runs(arch)
+    assert "Sem-MoE DP routing over 2 ranks" in log, log[-3000:]
+    served = [sum(len(step["token"]) for step in read_segment(path)[1]) for path in segments]
+    assert len(served) == 2 and min(served) > 0, f"tokens captured per DP rank: {served}"
+    assert_same_routing(trace, ref_trace, f"{arch} dp mode DP2+EP")
     assert tokens == ref_tokens
 
 

@@ -153,18 +153,3 @@ def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(tmp_path):
     log = (tmp_path / "server_semmoe.log").read_text()
     assert "Sem-MoE DP routing over 2 ranks" in log and "sparse EP MoE dispatch on 4 MoE layers" in log
 
-
-def test_dp2_sparse_dispatch_on_deepseek_v3(tmp_path):
-    """The same on a DeepSeek-V3-style model (grouped top-k routing with a correction bias, a
-    shared expert, routed scaling factor 2.5, a dense first layer): the sparse dispatch gives
-    stock vLLM's text, and the counters hold. The checkpoint has random weights, so greedy
-    decoding meets near-ties, and under concurrent load the batches (hence the kernels' rounding)
-    depend on request timing, in stock vLLM as well; one request at a time fixes the batches, so
-    the comparison isolates the dispatch."""
-    from vllm_semmoe.testing.checkpoints import tiny_checkpoint
-
-    model = tiny_checkpoint("deepseek_v3")
-    runs = _serve_policies(model, tmp_path, ("vllm", "sparse"), num_prompts=24, concurrency=1)
-    assert runs["sparse"]["outputs"] == runs["vllm"]["outputs"]
-    _check_counters(model, tmp_path, runs)
-    assert runs["sparse"]["moe_bytes_per_token"] < runs["vllm"]["moe_bytes_per_token"]
