@@ -85,6 +85,24 @@ def test_semmoe_respects_its_expert_load_bound(small_trace):
         assert (per.max(1) / per.mean(1)).mean() < 1 + slack + 0.01
 
 
+def test_semmoe_load_price_trades_locality_for_balance():
+    """The Lagrangian θ of ``balance_swaps``: a higher price leaves the most loaded device no
+    heavier, and a high one balances where θ = 0 keeps the starting placement."""
+    from vllm_semmoe.policy.semmoe import balance_swaps
+
+    rng = np.random.default_rng(0)
+    gain = rng.random((8, 64)) * 10
+    load = rng.gamma(2.0, 1.0, 64)
+    start = np.repeat(np.arange(8), 8)
+    peak = {}
+    for theta in (0.0, 1.0, 100.0):
+        device = balance_swaps(gain, start, load, load.sum() / 8, theta) if theta else start
+        assert np.all(np.bincount(device, minlength=8) == 8)
+        peak[theta] = np.bincount(device, weights=load, minlength=8).max()
+    assert peak[100.0] <= peak[1.0] <= peak[0.0]
+    assert peak[100.0] < peak[0.0]
+
+
 @pytest.mark.parametrize("mode", ["tp", "dp"])
 def test_replicated_placement_layout_matches_vllm_eplb(small_trace, mode):
     """R redundant slots per device: [L, E*(N/E+R)] physical→logical map, device d owning slots
