@@ -85,20 +85,31 @@ def _balance_ratio(row) -> np.ndarray:
 
 def test_dp_lock_step_balance_as_good_as_least_loaded(dp):
     ours = dp[0]["semmoe"]
-    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 1.002-1.035, mean 1.017
+    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 1.005-1.048, mean 1.023
     assert np.all(seeds(ours["window_imbalance"]) < seeds(ours["window_imbalance_round_robin"]))
-    assert np.all(seeds(ours["lar"]) >= 0.145)  # seeds 0-4: 0.1477-0.1527, mean 0.1495
+    assert np.all(seeds(ours["lar"]) >= 0.158)  # seeds 0-4: 0.1608-0.1642, mean 0.1632
     for other in ("vanilla", "eplb"):
         assert np.all(seeds(ours["lar"]) > seeds(dp[0][other]["lar_with_semmoe_sched"]))
 
 
-def test_dp_bar_with_one_replica_per_rank(dp):
-    """Issue 10's DP bar (LAR >= 0.175 at window imbalance <= 1.05 x least-loaded's), reached
-    with R = 1 (9 physical experts per rank instead of 8)."""
+def test_dp_with_one_replica_per_rank(dp):
+    """R = 1 (9 physical experts per rank instead of 8): issue 10's DP LAR (>= 0.175) with room
+    to spare, at window imbalance within 1.05x least-loaded's on average (every seed: below)."""
     ours = dp[1]["semmoe"]
-    assert ours["lar"]["mean"] >= 0.175  # seeds 0-4: 0.1717-0.1799, mean 0.1762
-    assert np.all(seeds(ours["lar"]) >= 0.17)
-    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 0.989-1.027
+    assert ours["lar"]["mean"] >= 0.185  # seeds 0-4: 0.1907-0.1939, mean 0.1925
+    assert np.all(seeds(ours["lar"]) >= 0.185)
+    assert np.mean(_balance_ratio(ours)) <= 1.05  # seeds 0-4: 0.990-1.051, mean 1.022
+
+
+@pytest.mark.xfail(strict=True, reason="R = 1: seed 3's window imbalance is 1.051x least-loaded's (others <= 1.037x)")
+def test_issue10_bar_dp_with_one_replica_every_seed(dp):
+    """Issue 10's DP bar (LAR >= 0.175 at window imbalance <= 1.05 x least-loaded's) on every
+    seed with R = 1: LAR holds (>= 0.19), the balance misses by 0.001 on seed 3 with the knobs
+    chosen on the profile (balance 64, price step 0.2); the previous rule held it (<= 1.027x) at
+    LAR 0.1762."""
+    ours = dp[1]["semmoe"]
+    assert np.all(seeds(ours["lar"]) >= 0.175)
+    assert np.all(_balance_ratio(ours) <= 1.05)
 
 
 def test_placement_baselines_on_seed_0(dev_trace, cache):
@@ -120,6 +131,6 @@ def test_tp_scheduler_conditions_on_earlier_experts(dev_trace, cache):
     assert rows["experts"] > rows["devices"] + 0.02  # 0.3948 vs 0.3705
 
 
-@pytest.mark.xfail(strict=True, reason="R = 0: DP LAR mean 0.150 at lock-step balance (<= 1.05 x least-loaded)")
+@pytest.mark.xfail(strict=True, reason="R = 0: DP LAR mean 0.1632 at lock-step balance (<= 1.05 x least-loaded)")
 def test_issue10_bar_dp_lar_0175_without_replicas(dp):
     assert dp[0]["semmoe"]["lar"]["mean"] >= 0.175

@@ -55,9 +55,24 @@ def test_in_flight_work_balances_lock_stepped_ranks(tables):
             ranks.append(router.choose(prompt, unfinished.tolist()))
         return np.bincount(ranks, minlength=2), spread
 
-    assert serve(DpRouter(tables, 2, balance=0.0))[0].min() == 0
-    total, spread = serve(DpRouter(tables, 2, balance=1.0))
+    assert serve(DpRouter(tables, 2, balance=0.0, price_step=0.0))[0].min() == 0
+    total, spread = serve(DpRouter(tables, 2))  # the default knobs
     assert spread <= 2 and total.max() / total.mean() < 1.15
+    # the prices alone (learned from the work sent) balance the totals too
+    total, _ = serve(DpRouter(tables, 2, balance=0.0))
+    assert total.max() / total.mean() < 1.15
+
+
+def test_router_prices_follow_the_work_it_sends(tables):
+    """The router keeps the prices of :func:`scheduling.dp_choose_balanced` across requests:
+    the chosen rank's price rises with the request's work (zero mean)."""
+    router = DpRouter(tables, 2, balance=0.0, price_step=0.5, decode_weight=10.0)
+    prompt = [int(tables.t2d_tokens[0])] * 10
+    rank = router.choose(prompt, [0, 0])
+    # the first request is the mean request: its rank's price rises by 0.5 x 1, both fall by 0.25
+    expected = np.full(2, -0.25)
+    expected[rank] += 0.5
+    np.testing.assert_allclose(router.price, expected)
 
 
 def test_in_flight_work_counts_the_last_requests_sent(tables):

@@ -105,20 +105,20 @@ def test_dp_round_robin_mask_uses_each_rank_once_per_group(R, E, seed):
 
 
 def test_dp_balance_knob_trades_locality_for_lock_step_balance():
-    """A rank everybody likes: with the knob off every request goes there; with it on, the
-    window work stays as balanced as the least-loaded balancer's while weak preferences still
-    follow the votes."""
+    """A rank everybody likes: with the knobs off every request goes there; with the default
+    knobs, the window work stays as balanced as the least-loaded balancer's while weak
+    preferences still follow the votes."""
     rng = np.random.default_rng(0)
     R, E, W = 4000, 8, 256
     lengths = rng.integers(5, 200, R).astype(float)
     work = scheduling.request_work(lengths, 128.0)
     votes = rng.random((R, E)) * lengths[:, None]
     votes[:, 3] += 0.5 * lengths
-    free = scheduling.dp_assign(votes, work, 0.0, W, False)
+    free = scheduling.dp_assign(votes, work, 0.0, W, False, 0.0)
     assert np.all(free == np.argmax(votes, axis=1))
     blind = scheduling.least_loaded_assign(work, E, W)
     least = scheduling.window_imbalance(blind, work, E, W)
-    ranks = scheduling.dp_assign(votes, work, 1.0, W, False)
+    ranks = scheduling.dp_assign(votes, work, scheduling.DEFAULT_DP_BALANCE, W, False, scheduling.DEFAULT_DP_PRICE_STEP)
     assert scheduling.window_imbalance(ranks, work, E, W) <= 1.05 * least
     # locality survives: clearly more requests on their best rank than under the blind balancer
     best = np.argmax(votes, axis=1)
@@ -127,12 +127,41 @@ def test_dp_balance_knob_trades_locality_for_lock_step_balance():
 
 def test_dp_choose_balanced_prefers_locality_until_the_load_gap_costs_more():
     votes = np.array([10.0, 8.0, 0.0])
-    assert scheduling.dp_choose_balanced(votes, np.array([0.0, 0.0, 0.0]), 100.0, 1.0) == 0
-    # rank 0 carries one mean request more than rank 1: 0.2 of preference < 1.0 x 1 request
-    assert scheduling.dp_choose_balanced(votes, np.array([100.0, 0.0, 0.0]), 100.0, 1.0) == 1
-    assert scheduling.dp_choose_balanced(votes, np.array([100.0, 0.0, 0.0]), 100.0, 0.1) == 0
+    zero = np.zeros(3)
+    assert scheduling.dp_choose_balanced(votes, zero, 100.0, 100.0, 1.0, np.zeros(3), 0.0) == 0
+    # rank 0 carries one mean request more than rank 1: the request (one mean request of work)
+    # pays balance x 1 request x work / mean^2 per unit of load... 2 votes of preference
+    load = np.array([100.0, 0.0, 0.0])
+    assert scheduling.dp_choose_balanced(votes, load, 100.0, 100.0, 3.0, np.zeros(3), 0.0) == 1
+    assert scheduling.dp_choose_balanced(votes, load, 100.0, 100.0, 1.0, np.zeros(3), 0.0) == 0
+    # a short request (a tenth of the mean work) pays a tenth: it keeps its preference
+    assert scheduling.dp_choose_balanced(votes, load, 100.0, 10.0, 3.0, np.zeros(3), 0.0) == 0
     # flat votes (unseen tokens): the least-loaded rank
-    assert scheduling.dp_choose_balanced(np.ones(3), np.array([5.0, 1.0, 3.0]), 100.0, 0.01) == 1
+    assert scheduling.dp_choose_balanced(np.ones(3), np.array([5.0, 1.0, 3.0]), 100.0, 100.0, 0.01,
+                                         np.zeros(3), 0.0) == 1
+    # prices: per unit of work, and the chosen rank's price rises (prices keep a zero mean)
+    price = np.array([0.03, 0.0, 0.0])  # 3 votes for a mean request: more than the 2-vote preference
+    assert scheduling.dp_choose_balanced(votes, zero, 100.0, 100.0, 0.0, price, 0.3) == 1
+    np.testing.assert_allclose(price, [0.03 - 0.1, 0.3 - 0.1, -0.1])
+    assert price.sum() == pytest.approx(0.03)
+
+
+def test_dp_prices_settle_where_ranks_share_the_work():
+    """Every request prefers rank 0 a little and a few prefer another rank strongly: prices
+    alone (no proportional term) spread the work evenly over time, and the strong preferences
+    keep their rank."""
+    rng = np.random.default_rng(1)
+    R, E, W = 6000, 4, 256
+    work = np.full(R, 100.0)
+    votes = rng.random((R, E))
+    votes[:, 0] += 1.0
+    strong = rng.random(R) < 0.2
+    votes[strong, rng.integers(1, E, strong.sum())] += 20.0
+    rank = scheduling.dp_assign(votes, work, 0.0, W, False, 0.05)
+    late = slice(R // 2, R)
+    share = np.bincount(rank[late], minlength=E) / (R - R // 2)
+    assert np.all(np.abs(share - 1 / E) < 0.03)
+    assert (rank[strong] == np.argmax(votes[strong], axis=1)).mean() > 0.95
 
 
 def test_request_votes_sum_over_tokens_and_layers():
@@ -167,8 +196,9 @@ def test_least_loaded_balances_in_window_work_and_round_robin_counts():
     assert scheduling.window_imbalance(robin, np.ones(3000), 8, 256) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("balance", [0.3, 3.0])
-def test_dp_knob_keeps_window_work_near_least_loaded(balance):
+@pytest.mark.parametrize("balance,price_step", [(scheduling.DEFAULT_DP_BALANCE, scheduling.DEFAULT_DP_PRICE_STEP),
+                                                (256.0, 0.0), (0.0, 0.5)])
+def test_dp_knob_keeps_window_work_near_least_loaded(balance, price_step):
     """Long-tailed prompts and a shared preference: a moderate knob keeps the lock-step balance
     close to the locality-blind least-loaded balancer's; the knob off does not."""
     rng = np.random.default_rng(7)
@@ -178,7 +208,7 @@ def test_dp_knob_keeps_window_work_near_least_loaded(balance):
     votes = rng.random((R, E)) * lengths[:, None]
     votes[:, 2] += 2.0 * lengths  # every request prefers rank 2
     least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, W), work, E, W)
-    ours = scheduling.window_imbalance(scheduling.dp_assign(votes, work, balance, W, False), work, E, W)
-    free = scheduling.window_imbalance(scheduling.dp_assign(votes, work, 0.0, W, False), work, E, W)
+    ours = scheduling.window_imbalance(scheduling.dp_assign(votes, work, balance, W, False, price_step), work, E, W)
+    free = scheduling.window_imbalance(scheduling.dp_assign(votes, work, 0.0, W, False, 0.0), work, E, W)
     assert ours <= 1.05 * least
     assert free > 1.5 * least

@@ -159,7 +159,7 @@ def main():
 
     out = {}
     # Sem-MoE routing: each prompt goes to the rank holding its experts; 0.33 does the bookkeeping
-    c = client({"tables": cfg["tables"], "mode": "dp", "dp_slack": 1e9, "dp_balance": 0.0},
+    c = client({"tables": cfg["tables"], "mode": "dp", "dp_slack": 1e9, "dp_balance": 0.0, "dp_price_step": 0.0},
                [[0, 0, 0.0], [0, 0, 0.0]])
     picks = [c.get_core_engine_for_request(request(f"r{k}", [cfg["tokens"][r]] * 20))
              for k, r in enumerate((0, 1, 1, 0))]

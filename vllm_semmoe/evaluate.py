@@ -37,7 +37,8 @@ from .policy import get_policy
 from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
 from .trace import RoutingTrace
 
-DEFAULT_DP_BALANCE = scheduling.DEFAULT_DP_BALANCE  # the knob's default, :attr:`EvalConfig.dp_balance`
+DEFAULT_DP_BALANCE = scheduling.DEFAULT_DP_BALANCE  # the knobs' defaults, :attr:`EvalConfig.dp_balance`
+DEFAULT_DP_PRICE_STEP = scheduling.DEFAULT_DP_PRICE_STEP  # and :attr:`EvalConfig.dp_price_step`
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ class EvalConfig:
     batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
     # 0 = one batch per request of the trace (a live capture in engine-step order)
     dp_window: int | None = None  # DP: requests in a balance window; None = 32 × ranks
-    dp_balance: float = DEFAULT_DP_BALANCE  # DP: locality-vs-balance knob (scheduling.dp_choose_balanced):
-    # relative preference given up per mean request of work above the least-loaded rank
+    dp_balance: float = DEFAULT_DP_BALANCE  # DP: proportional balance knob (scheduling.dp_choose_balanced):
+    # votes per unit of work a request pays per mean request of work above the least-loaded rank
+    dp_price_step: float = DEFAULT_DP_PRICE_STEP  # DP: step of the online per-rank prices (same function)
     round_robin_mask: bool = False  # DP: the paper's mask instead of the work rule
     tp_history: str = "experts"  # TP: what the scheduler conditions on besides T2D: "experts" (the
     # token's experts at the two previous layers, the X table, where the tables have it) or
@@ -262,7 +264,7 @@ def _dp_ranks(trace, tables, ep_size, config):
         )
         work = scheduling.request_work(lengths, decode_weight(None, config))
         rank = scheduling.dp_assign(votes, work, config.dp_balance, config.window(ep_size),
-                                    config.round_robin_mask)
+                                    config.round_robin_mask, config.dp_price_step)
     load = np.bincount(rank, weights=lengths, minlength=ep_size)
     return rank, float(load.max() / load.mean())
 

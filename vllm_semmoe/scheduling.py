@@ -296,9 +296,10 @@ def request_votes(rows, offsets, t2d_score, oov_score):
 #: Decode weight of a request when nothing better is known: tokens it will generate.
 DEFAULT_DECODE_WEIGHT = 128.0
 
-#: default of the DP locality-vs-balance knob of :func:`dp_choose_balanced` (chosen on the
-#: profiled requests only; see benchmarks/SEEDS.md)
-DEFAULT_DP_BALANCE = 0.1
+#: defaults of the DP rule's two balance knobs (:func:`dp_choose_balanced`), chosen on the
+#: profiled requests only (``scripts/tune_dp_price.py``; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 64.0
+DEFAULT_DP_PRICE_STEP = 0.2
 
 
 def request_work(lengths: np.ndarray, decode_weight: float = DEFAULT_DECODE_WEIGHT) -> np.ndarray:
@@ -319,15 +320,30 @@ def balance_window(ep_size: int) -> int:
 
 
 @numba.njit(cache=True)
-def dp_choose_balanced(votes, load, mean_work, balance):
+def dp_choose_balanced(votes, load, mean_work, work, balance, price, price_step):
     """One online DP decision for lock-stepped ranks: the rank maximising
 
-        votes[e] / max(votes)  -  balance · (load[e] - min(load)) / mean_work,
+        votes[e]  -  work · (price[e] + balance · (load[e] - min(load)) / mean_work²),
 
-    i.e. relative locality preference minus a penalty per mean request of work the rank
-    carries beyond the least-loaded one. ``balance = 0`` is pure locality; a large ``balance``
-    is the least-loaded balancer (locality then only breaks ties). A request with flat votes
-    (unseen tokens) goes to the least-loaded rank; one with a strong preference pays for it.
+    then the chosen rank's price rises (``price`` is updated in place).
+
+    Votes are absolute (predicted local activations), and the request pays per unit of its
+    work, so locality is given up where it costs least: a long prompt with a clear preference
+    keeps its rank, short requests (mostly decode work) and requests with flat votes fill the
+    other ranks. Two balance terms:
+
+    - ``price[e]``: a per-rank price in votes per unit of work, learned online from the
+      router's own decisions: the chosen rank's price rises by ``price_step · work / mean_work``
+      and every price then falls by the same total spread evenly (prices keep a zero mean).
+      It settles where each rank attracts an equal share of the work (the dual prices of the
+      balanced assignment), so the balance costs little locality: requests with near-ties move,
+      clear preferences stay.
+    - ``balance``: a proportional term on the work each rank carries now beyond the
+      least-loaded one (the marginal cost of a quadratic load penalty), which absorbs what the
+      slow prices cannot: bursts of long prompts, ranks that finish late.
+
+    ``balance = price_step = 0`` is pure locality; large values approach the least-loaded
+    balancer.
 
     Args:
         votes: ``[E]`` predicted local activations per rank (:func:`request_votes`); a rank the
@@ -335,44 +351,53 @@ def dp_choose_balanced(votes, load, mean_work, balance):
         load: ``[E]`` work per rank now: in serving the in-flight work (prompt plus tokens
             generated so far of running requests); offline the work of the rank's requests among
             the last ``W`` (see :func:`dp_assign`).
-        mean_work: the mean work of one request (scales ``load``).
-        balance: the locality-vs-balance knob.
+        mean_work: the mean work of one request (scales ``load`` and the price step).
+        work: this request's work (:func:`request_work`).
+        balance: the proportional knob, in votes per unit of work per mean request of load gap.
+        price: ``[E]`` float64 the ranks' prices (zeros at start); updated in place.
+        price_step: how fast prices follow the work each rank is given.
     Returns:
         The chosen rank (ties → lowest).
     """
     E = votes.shape[0]
-    top = max(votes.max(), 1e-30)
     low = load.min()
-    scale = balance / max(mean_work, 1e-30)
+    mean_work = max(mean_work, 1e-30)
+    gap = balance / (mean_work * mean_work)
     chosen = 0
     best = -np.inf
     for e in range(E):
-        value = votes[e] / top - scale * (load[e] - low)
+        value = votes[e] - work * (price[e] + gap * (load[e] - low))
         if value > best:
             best, chosen = value, e
+    step = price_step * work / mean_work
+    price[chosen] += step
+    for e in range(E):
+        price[e] -= step / E
     return chosen
 
 
 @numba.njit(cache=True)
-def dp_assign(votes, work, balance, window, round_robin_mask):
+def dp_assign(votes, work, balance, window, round_robin_mask, price_step=DEFAULT_DP_PRICE_STEP):
     """Choose a DP rank per request, in arrival order (no look-ahead), by T2D votes, balanced.
 
     Each request goes through :func:`dp_choose_balanced` with every rank's work over the last
     ``window`` requests (a stand-in for in-flight work: requests finish roughly in arrival
-    order) and the mean request work so far.
+    order), the mean request work so far, and the prices of the decisions so far (from zero).
 
     With ``round_robin_mask`` the paper's rule is used instead: within every ``E``
     consecutive requests each rank is chosen once (best-voted free rank, arrival order).
 
     Args:
         votes: ``[R, E]`` predicted local activations per rank; work: ``[R]`` what the balance
-            counts (:func:`request_work`); balance: the locality-vs-balance knob.
+            counts (:func:`request_work`); balance, price_step: the knobs of
+            :func:`dp_choose_balanced`.
     Returns:
         ``[R]`` int64 rank per request.
     """
     R, E = votes.shape
     rank = np.empty(R, np.int64)
     load = np.zeros(E)
+    price = np.zeros(E)
     eligible = np.ones(E, np.bool_)
     total = 0.0
     for r in range(R):
@@ -387,7 +412,7 @@ def dp_assign(votes, work, balance, window, round_robin_mask):
                     eligible[ranking[k]] = False
                     break
         else:
-            rank[r] = dp_choose_balanced(votes[r], load, total / (r + 1), balance)
+            rank[r] = dp_choose_balanced(votes[r], load, total / (r + 1), work[r], balance, price, price_step)
         load[rank[r]] += work[r]
         if r >= window:
             load[rank[r - window]] -= work[r - window]

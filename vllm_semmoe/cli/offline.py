@@ -172,7 +172,7 @@ def cmd_eval(args) -> int:
     if args.seeds and args.eval:
         raise SystemExit("semmoe: --seeds re-splits --profile per seed; it cannot be used with --eval")
     config = EvalConfig(mode=args.mode, batch_tokens=args.batch_tokens, dp_window=args.dp_window,
-                        dp_balance=args.dp_balance, tp_history=args.tp_history,
+                        dp_balance=args.dp_balance, dp_price_step=args.dp_price_step, tp_history=args.tp_history,
                         round_robin_mask=args.round_robin_mask, dp_decode_weight=args.dp_decode_weight)
     seeds = args.seeds or [args.seed]
     embedding = _embedding(args)
@@ -290,7 +290,7 @@ def format_curve(curve: dict) -> str:
 # ---- parsers -----------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """Register ``analyze``, ``solve`` and ``eval`` on the ``semmoe`` sub-parser set."""
-    from ..evaluate import DEFAULT_DP_BALANCE
+    from ..evaluate import DEFAULT_DP_BALANCE, DEFAULT_DP_PRICE_STEP
 
     methods = method_names()
 
@@ -347,9 +347,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--dp-window", type=int, default=None,
                    help="DP: requests per balance window (default 32 x ranks)")
     p.add_argument("--dp-balance", type=float, default=DEFAULT_DP_BALANCE,
-                   help="DP: locality-vs-balance knob: relative preference a request gives up per mean request "
-                        "of work a rank carries above the least-loaded one (0: pure locality; large: "
-                        f"least-loaded; default {DEFAULT_DP_BALANCE})")
+                   help="DP: proportional balance knob: votes per unit of work a request pays per mean request "
+                        "of work a rank carries above the least-loaded one (with --dp-price-step 0, 0 is pure "
+                        f"locality; large: least-loaded; default {DEFAULT_DP_BALANCE})")
+    p.add_argument("--dp-price-step", type=float, default=DEFAULT_DP_PRICE_STEP,
+                   help="DP: step of the per-rank prices learned online from the work each rank is given "
+                        f"(0: none; default {DEFAULT_DP_PRICE_STEP})")
     p.add_argument("--dp-balance-curve", type=float_list, default=None, metavar="B,B,...",
                    help="DP: also report semmoe's LAR against window imbalance for each knob value")
     p.add_argument("--dp-decode-weight", type=float, default=None,

@@ -41,8 +41,10 @@ def serve_parser():
                         help="record the live routing to PATH (e.g. routing.npz; written as it runs into "
                              "PATH.parts/, read with any semmoe command)")
     parser.add_argument("--dp-balance", type=float, metavar="B", default=SemMoEConfig.dp_balance,
-                        help="dp mode: locality-vs-balance knob (preference given up per mean request of "
-                             "in-flight work above the least-loaded rank)")
+                        help="dp mode: proportional balance knob (votes per unit of work a request pays per mean "
+                             "request of in-flight work above the least-loaded rank)")
+    parser.add_argument("--dp-price-step", type=float, metavar="P", default=SemMoEConfig.dp_price_step,
+                        help="dp mode: step of the per-rank prices learned from the work sent to each rank")
     parser.add_argument("--dp-decode-weight", type=float, metavar="W", default=SemMoEConfig.dp_decode_weight,
                         help="dp mode: work of a request beyond its prompt, in tokens (its expected output "
                              "length)")
@@ -221,7 +223,7 @@ def cmd_bench_serve(args) -> int:
 
 def serve_command(argv: list[str]) -> list[str]:
     """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]
-    [--dp-balance B] [--dp-decode-weight W] [--dp-slack S]`` → the
+    [--dp-balance B] [--dp-price-step P] [--dp-decode-weight W] [--dp-slack S]`` → the
     ``vllm serve`` command line with ``--additional-config`` carrying the plugin settings."""
     import json
 

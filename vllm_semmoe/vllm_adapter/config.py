@@ -14,9 +14,9 @@ MODES = ("placement-only", "tp", "dp")
 #: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
 #: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
 DISPATCHES = ("vllm", "sparse")
-KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_decode_weight", "dp_slack")
+KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_price_step", "dp_decode_weight", "dp_slack")
 #: keys of earlier versions -> what replaced them
-RENAMED = {"dp_price_step": "dp_balance (the token-price rule became work balancing)"}
+RENAMED: dict[str, str] = {}  # (dp_price_step was renamed dp_balance once, then came back as the work-price step)
 
 
 class SemMoEConfigError(ValueError):
@@ -36,9 +36,11 @@ class SemMoEConfig:
             the Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
             ``dp`` where the layout allows it (DP > 1, TP 1, expert parallelism), else ``vllm``.
-        dp_balance: ``dp`` mode locality-vs-balance knob (``scheduling.dp_choose_balanced``):
-            relative preference a request gives up per mean request of in-flight work its
-            preferred rank carries beyond the least-loaded one.
+        dp_balance: ``dp`` mode proportional balance knob (``scheduling.dp_choose_balanced``):
+            votes per unit of work a request pays per mean request of in-flight work a rank
+            carries beyond the least-loaded one.
+        dp_price_step: ``dp`` mode step of the per-rank prices the router learns from the work it
+            sends each rank (same function).
         dp_decode_weight: ``dp`` mode work of a request beyond its prompt tokens (its expected
             output length; ``scheduling.request_work``).
         dp_slack: ``dp`` mode hard guard: never choose a rank whose queue score (vLLM's:
@@ -50,6 +52,7 @@ class SemMoEConfig:
     mode: str = "placement-only"
     dispatch: str | None = None
     dp_balance: float = scheduling.DEFAULT_DP_BALANCE
+    dp_price_step: float = scheduling.DEFAULT_DP_PRICE_STEP
     dp_decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT
     dp_slack: float = 8.0
 
@@ -98,7 +101,7 @@ class SemMoEConfig:
         if tables is None and capture is None and dispatch is None:
             raise SemMoEConfigError("additional_config['semmoe'] sets none of 'tables', 'capture', 'dispatch'")
         numbers = {}
-        for key in ("dp_balance", "dp_decode_weight", "dp_slack"):
+        for key in ("dp_balance", "dp_price_step", "dp_decode_weight", "dp_slack"):
             if key in raw:
                 value = raw[key]
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):

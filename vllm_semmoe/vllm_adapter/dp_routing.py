@@ -1,10 +1,11 @@
 """Attention-DP inside vLLM: choose each request's data-parallel rank the Sem-MoE way.
 
 Runs in the API server process, in vLLM's DP load balancer
-(``DPLBAsyncMPClient.get_core_engine_for_request``). The decision is the pure
+(``DPLBAsyncMPClient.get_core_engine_for_request``). The decision is
 :func:`vllm_semmoe.scheduling.dp_choose_balanced`, the rule the offline evaluation measures
-(``window_imbalance``): the prompt's T2D votes against each rank's in-flight work. This module
-gathers its inputs and keeps per-rank counters.
+(``window_imbalance``): the prompt's T2D votes against per-rank prices learned from the work this
+router sent each rank, and each rank's in-flight work. This module gathers its inputs, keeps
+the prices and per-rank counters.
 
 In-flight work per rank: vLLM's own count of the rank's unfinished requests (its load
 balancer's queue score: waiting plus running, or in-flight requests times API servers) taken
@@ -35,20 +36,24 @@ class DpRouter:
     Args:
         tables: tables whose EP size is ``num_ranks * ranks_per_dp`` (DP rank ``r`` owns EP
             devices ``r * ranks_per_dp ..``).
-        balance: the locality-vs-balance knob of :func:`.scheduling.dp_choose_balanced`.
+        balance, price_step: the balance knobs of :func:`.scheduling.dp_choose_balanced`.
         slack: hard guard: a rank whose queue score exceeds the least-loaded rank's by more
             than this (in requests) is never chosen.
         decode_weight: work of a request beyond its prompt (expected generated tokens).
     """
 
     def __init__(self, tables: SemMoETables, num_ranks: int, *, balance: float = scheduling.DEFAULT_DP_BALANCE,
-                 slack: float = math.inf, decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT):
+                 slack: float = math.inf, decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT,
+                 price_step: float = scheduling.DEFAULT_DP_PRICE_STEP):
         if tables.ep_size % num_ranks:
             raise ValueError(f"tables for EP {tables.ep_size} cannot be split over {num_ranks} DP ranks")
         self.tables = tables
         self.num_ranks = num_ranks
         self.ranks_per_dp = tables.ep_size // num_ranks
         self.balance, self.slack, self.decode_weight = balance, slack, decode_weight
+        self.price_step = price_step
+        #: per-rank prices (votes per unit of work), updated by every decision
+        self.price = np.zeros(num_ranks)
         self.t2d = tables.t2d_score.astype(np.float32)
         #: work of the requests sent to each rank, newest last (enough to cover its in-flight ones)
         self.sent: list[collections.deque] = [collections.deque(maxlen=4096) for _ in range(num_ranks)]
@@ -85,7 +90,10 @@ class DpRouter:
         scores = np.asarray(queue_scores, np.float64)
         votes = self.votes(prompt_token_ids)
         votes[scores > scores.min() + self.slack] = -np.inf
-        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), self.mean_work(), self.balance))
+        work = float(scheduling.request_work([len(prompt_token_ids)], self.decode_weight)[0])
+        mean = (self.total_work + work) / (self.requests.sum() + 1)  # as offline: including this request
+        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), mean, work, self.balance,
+                                                 self.price, self.price_step))
         self.record(rank, len(prompt_token_ids))
         return rank
 

@@ -582,7 +582,8 @@ def make_dp_router(vllm_config, num_ranks: int):
     from .dp_routing import DpRouter
 
     router = DpRouter(load_tables(config.tables), num_ranks, balance=config.dp_balance, slack=config.dp_slack,
-                      decode_weight=config.dp_decode_weight)
-    logger.info("semmoe: Sem-MoE DP routing over %d ranks (balance %.3g, decode weight %.0f, guard slack %.1f)",
-                num_ranks, config.dp_balance, config.dp_decode_weight, config.dp_slack)
+                      decode_weight=config.dp_decode_weight, price_step=config.dp_price_step)
+    logger.info("semmoe: Sem-MoE DP routing over %d ranks (balance %.3g, price step %.3g, decode weight %.0f, "
+                "guard slack %.1f)", num_ranks, config.dp_balance, config.dp_price_step, config.dp_decode_weight,
+                config.dp_slack)
     return router
