@@ -372,7 +372,7 @@ def request_idf(profile: RoutingTrace, token_ids: np.ndarray) -> np.ndarray:
     ``log((R + 1) / (df + 1)) + 1`` (``df``: requests containing the token; smoothed, at least 1).
 
     The DP tables weight each token's T2D row by it: on the DeepSeek-V2-Lite trace (seeds 0-4)
-    pure-locality DP LAR 0.1697 → 0.1735 (oracle 0.1838); see benchmarks/SEEDS.md."""
+    pure-locality DP LAR 0.1697 → 0.1738 (oracle 0.1838); see benchmarks/SEEDS.md."""
     R = profile.num_requests
     request = np.repeat(np.arange(R, dtype=np.int64), np.diff(profile.offsets))
     row = np.searchsorted(token_ids, profile.tokens)

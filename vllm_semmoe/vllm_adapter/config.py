@@ -16,7 +16,7 @@ MODES = ("placement-only", "tp", "dp")
 DISPATCHES = ("vllm", "sparse")
 KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_price_step", "dp_decode_weight", "dp_slack")
 #: keys of earlier versions -> what replaced them
-RENAMED: dict[str, str] = {}  # (dp_price_step was renamed dp_balance once, then came back as the work-price step)
+RENAMED: dict[str, str] = {}  # none at present
 
 
 class SemMoEConfigError(ValueError):

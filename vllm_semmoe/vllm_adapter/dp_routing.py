@@ -81,24 +81,32 @@ class DpRouter:
             load[r] = sum(mine) + (n - len(mine)) * mean
         return load
 
-    def mean_work(self) -> float:
-        count = int(self.requests.sum())
-        return self.total_work / count if count else float(scheduling.request_work([1.0], self.decode_weight)[0])
+    def work(self, prompt_tokens: int) -> float:
+        """A request's work: its prompt plus the decode weight (:func:`.scheduling.request_work`)."""
+        return float(scheduling.request_work([prompt_tokens], self.decode_weight)[0])
+
+    def mean_work(self, pending: float | None = None) -> float:
+        """Mean work of the requests routed so far, with ``pending`` (a request being routed)
+        counted too, as the offline rule does (:func:`.scheduling.dp_assign`)."""
+        total, count = self.total_work, int(self.requests.sum())
+        if pending is not None:
+            total, count = total + pending, count + 1
+        return total / count if count else self.work(1)
 
     def choose(self, prompt_token_ids, queue_scores) -> int:
         """Rank for a request, given each rank's queue score (vLLM's: unfinished requests)."""
         scores = np.asarray(queue_scores, np.float64)
         votes = self.votes(prompt_token_ids)
         votes[scores > scores.min() + self.slack] = -np.inf
-        work = float(scheduling.request_work([len(prompt_token_ids)], self.decode_weight)[0])
-        mean = (self.total_work + work) / (self.requests.sum() + 1)  # as offline: including this request
-        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), mean, work, self.balance,
-                                                 self.price, self.price_step))
-        self.record(rank, len(prompt_token_ids))
+        work = self.work(len(prompt_token_ids))
+        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), self.mean_work(pending=work),
+                                                 work, self.balance, self.price, self.price_step))
+        self.record(rank, len(prompt_token_ids), work)
         return rank
 
-    def record(self, rank: int, prompt_tokens: int) -> None:
-        work = float(scheduling.request_work([prompt_tokens], self.decode_weight)[0])
+    def record(self, rank: int, prompt_tokens: int, work: float | None = None) -> None:
+        """Count a request sent to ``rank`` (``work``: its :meth:`work`, computed if not given)."""
+        work = self.work(prompt_tokens) if work is None else work
         self.sent[rank].append(work)
         self.total_work += work
         self.requests[rank] += 1
