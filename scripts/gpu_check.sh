@@ -4,6 +4,10 @@
 #   bash scripts/gpu_check.sh            # uses/creates .venv-gpu; pip needs PyPI, or
 #   SEMMOE_WHEELHOUSE=/path/to/wheels bash scripts/gpu_check.sh   # offline: wheels folder
 #   SEMMOE_GPU_PYTHON=/usr/bin/python3 bash scripts/gpu_check.sh   # a Python that already has vllm (CUDA)
+#   SEMMOE_GPU_NO_VLLM=1 SEMMOE_GPU_PYTHON=python3 bash scripts/gpu_check.sh
+#       # no CUDA vLLM to be had (no network, no wheelhouse): only steps 3, 4 and 6, with 6 timed
+#       # against the layer's expert FLOPs instead of vLLM's MoE layer; needs torch, triton, numba,
+#       # numpy, pytest and hypothesis in that Python. Steps 2 and 5 print "not run".
 #
 # Steps (each prints a line; the last line is the JSON summary):
 #  1. install .[cuda,dev] (vllm>=0.32,<0.34, the CUDA build) unless the Python already has it;
@@ -29,15 +33,17 @@ else
   [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
   PY=$VENV/bin/python
 fi
-if ! "$PY" -c 'import vllm, sys; v = vllm.__version__; sys.exit(0 if v.startswith(("0.32.", "0.33.")) and "+cpu" not in v else 1)' 2>/dev/null; then
-  echo "[gpu_check] installing .[cuda,dev]" >&2
-  if [[ -n "${SEMMOE_WHEELHOUSE:-}" ]]; then
-    "$PY" -m pip install -q --no-index --find-links "$SEMMOE_WHEELHOUSE" -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+if [[ -z "${SEMMOE_GPU_NO_VLLM:-}" ]]; then
+  if ! "$PY" -c 'import vllm, sys; v = vllm.__version__; sys.exit(0 if v.startswith(("0.32.", "0.33.")) and "+cpu" not in v else 1)' 2>/dev/null; then
+    echo "[gpu_check] installing .[cuda,dev]" >&2
+    if [[ -n "${SEMMOE_WHEELHOUSE:-}" ]]; then
+      "$PY" -m pip install -q --no-index --find-links "$SEMMOE_WHEELHOUSE" -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+    else
+      "$PY" -m pip install -q -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+    fi
   else
-    "$PY" -m pip install -q -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+    "$PY" -m pip install -q --no-deps -e "$ROOT" >/dev/null 2>&1 || true
   fi
-else
-  "$PY" -m pip install -q --no-deps -e "$ROOT" >/dev/null 2>&1 || true
 fi
 
 declare -A STATUS
@@ -48,9 +54,15 @@ step() {  # step NAME command...: run, keep the log, record pass/fail
   echo "[gpu_check] $name: ${STATUS[$name]}" >&2
 }
 
-step doctor "$PY" -m vllm_semmoe.cli doctor
-step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py -k "cuda_kernels_match_reference or kernels_compile_for_cuda"
-step engine_and_timing "$PY" "$ROOT/scripts/gpu_check_engine.py" "$OUT"
+if [[ -n "${SEMMOE_GPU_NO_VLLM:-}" ]]; then
+  STATUS[doctor]="not run (no CUDA vLLM)"; STATUS[engine]="not run (no CUDA vLLM)"
+  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py
+  step decision_and_timing "$PY" "$ROOT/scripts/gpu_check_engine.py" --no-vllm "$OUT"
+else
+  step doctor "$PY" -m vllm_semmoe.cli doctor
+  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py -k "cuda_kernels_match_reference or kernels_compile_for_cuda"
+  step engine_and_timing "$PY" "$ROOT/scripts/gpu_check_engine.py" "$OUT"
+fi
 
 "$PY" - "$OUT" <<PYEOF
 import json, sys, os

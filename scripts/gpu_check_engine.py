@@ -1,6 +1,11 @@
 """GPU check, engine part (run by scripts/gpu_check.sh): device-side TP decision vs Numba on the
 GPU, the tiny model through CUDA vLLM with placement + capture, and the decision timed against a
-MoE layer. Writes ``OUT/engine.json``."""
+MoE layer. Writes ``OUT/engine.json``.
+
+``--no-vllm`` (a GPU machine without a CUDA vLLM, e.g. no network to install one): the parts that
+need none: the decision against Numba, and the decision and the shuffle kernels timed on the GPU
+against the expert FLOPs of a MoE layer of the same batch (one dense bf16 GEMM of those FLOPs,
+a lower bound of the layer's time, so the shares printed are upper bounds)."""
 
 import json
 import os
@@ -101,7 +106,76 @@ def time_moe_vs_decision(worker) -> dict:
     return results
 
 
+def _cuda_ms(fn, reps: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def time_without_vllm() -> dict:
+    """Per batch B (DeepSeek-V2-Lite's MoE shape: H 2048, top-6 of 64 experts, intermediate 1408,
+    EP 8): the device-side decision, the Triton SRS pack + SAG unpack (bf16 rows) against their
+    PyTorch references, and one dense bf16 GEMM with the layer's expert FLOPs."""
+    import numpy as np
+    import torch
+
+    from csrc_triton import shuffle
+    from vllm_semmoe import scheduling_torch
+
+    H, K, I = 2048, 6, 1408
+    results = {}
+    for B in (64, 512, 4096, 16384):
+        args, weights, E = _expert_rule_inputs(np.random.default_rng(B), B)
+        args = tuple(torch.from_numpy(a).cuda() for a in args)
+        x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
+        _, slot_token, token_slot = scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
+        packed = shuffle.srs_pack(x, slot_token)
+        a = torch.randn(B * K, H, device="cuda", dtype=torch.bfloat16)
+        w13 = torch.randn(H, 2 * I, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.randn(I, H, device="cuda", dtype=torch.bfloat16)
+        out = {
+            "decision_ms": _cuda_ms(lambda: scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)),
+            "shuffle_triton_ms": _cuda_ms(lambda: shuffle.sag_unpack(shuffle.srs_pack(x, slot_token), token_slot)),
+            "shuffle_reference_ms": _cuda_ms(lambda: shuffle.sag_unpack_reference(
+                shuffle.srs_pack_reference(x, slot_token), token_slot)),
+            "expert_flops_gemm_ms": _cuda_ms(lambda: (a @ w13)[:, :I] @ w2),
+        }
+        out["decision_share_upper_bound"] = out["decision_ms"] / (out["decision_ms"] + out["expert_flops_gemm_ms"])
+        out["shuffle_share_upper_bound"] = out["shuffle_triton_ms"] / (out["shuffle_triton_ms"] + out["expert_flops_gemm_ms"])
+        out["packed_equal_reference"] = bool(torch.equal(packed, shuffle.srs_pack_reference(x, slot_token)))
+        results[str(B)] = out
+    return results
+
+
+def main_without_vllm(out_dir: str) -> None:
+    import torch
+
+    summary = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": None}
+    import triton
+
+    summary["triton"] = triton.__version__
+    summary.update(decision_matches())
+    summary["timing_without_vllm"] = time_without_vllm()
+    with open(os.path.join(out_dir, "engine.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    ok = summary["decision_mismatches"] == 0 and all(
+        v["packed_equal_reference"] for v in summary["timing_without_vllm"].values())
+    sys.exit(0 if ok else 1)
+
+
 def main() -> None:
+    if sys.argv[1] == "--no-vllm":
+        return main_without_vllm(sys.argv[2])
     out_dir = sys.argv[1]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import gc
