@@ -52,6 +52,26 @@ def test_align_spills_the_least_costly_token_to_its_next_best():
     assert list(scheduling.align(scores, 2)) == [0, 0, 1, 1]
 
 
+@settings(max_examples=300, deadline=None)
+@given(U=st.integers(0, 120), E=st.sampled_from([1, 2, 3, 5, 8]), ties=st.booleans(), piled=st.booleans(),
+       slack=st.integers(0, 1), seed=st.integers(0, 2**16))
+def test_heap_repair_makes_the_sequential_repairs_moves(U, E, ties, piled, slack, seed):
+    """``repair_unit`` (per-device heaps) moves the same units to the same devices as the
+    sequential loop, ties included, from any start (piled: most units on devices 0 and 1)."""
+    rng = np.random.default_rng(seed)
+    score = rng.integers(0, 3, (U, E)) / 2.0 if ties else rng.random((U, E))
+    device = (np.minimum(rng.integers(0, 2, U), E - 1) if piled else rng.integers(0, E, U)).astype(np.int64)
+    load = np.bincount(device, minlength=E).astype(np.float64)
+    cap = float(scheduling.slice_capacity(U, E) + slack)
+    want_device, want_load = device.copy(), load.copy()
+    scheduling._repair_weighted(score, np.ones(U), want_device, want_load, cap)
+    got_device, got_load = device.copy(), load.copy()
+    scheduling.repair_unit(score, got_device, got_load, cap)
+    np.testing.assert_array_equal(got_device, want_device)
+    np.testing.assert_array_equal(got_load, want_load)
+    assert got_load.max() <= cap or E == 1
+
+
 def test_tp_layer_scores_combinations():
     t2d = np.array([[0.7, 0.3], [0.5, 0.5]], np.float32)
     oov = np.array([0.5, 0.5], np.float32)

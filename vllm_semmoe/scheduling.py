@@ -179,6 +179,39 @@ def balanced_assignment(score, weight, cap, rounds):
             price[e] = max(0.0, price[e] + step * (load[e] / cap - 1.0))
         step *= 0.93
     # repair: move the cheapest units out of devices still over the cap
+    unit = True
+    for u in range(U):
+        unit = unit and weight[u] == 1.0
+    if unit:
+        repair_unit(score, device, load, cap)
+    else:
+        _repair_weighted(score, weight, device, load, cap)
+    return device, price
+
+
+@numba.njit(cache=True)
+def align(scores, capacity):
+    """Assign tokens to devices, exactly at most ``capacity`` each, maximising total score.
+
+    The batch-level optimum under equal slices (prices on over-subscribed devices), so tokens
+    that lose least overflow to their next-best rank.
+
+    Args:
+        scores: ``[B, E]``; capacity: slots per device, ``E * capacity >= B``.
+    Returns:
+        ``[B]`` int64 device per token.
+    """
+    device, _ = balanced_assignment(scores.astype(np.float64), np.ones(scores.shape[0]), float(capacity), 40)
+    return device
+
+
+@numba.njit(cache=True)
+def _repair_weighted(score, weight, device, load, cap):
+    """The repair of :func:`balanced_assignment`, any weights: while a device is over ``cap``,
+    move the unit of the most loaded device that loses least (``score[u, over] - score[u, e]``;
+    ties: lowest ``u``, then lowest ``e``) to a device with room. ``device [U]`` and ``load [E]``
+    are updated in place. ``O(moves · U · E)``."""
+    U, E = score.shape
     for _ in range(U):
         over = np.argmax(load)
         if load[over] <= cap:
@@ -197,22 +230,109 @@ def balanced_assignment(score, weight, cap, rounds):
         device[best_u] = best_e
         load[over] -= weight[best_u]
         load[best_e] += weight[best_u]
-    return device, price
 
 
 @numba.njit(cache=True)
-def align(scores, capacity):
-    """Assign tokens to devices, exactly at most ``capacity`` each, maximising total score.
+def _best_target(score, load, cap, u, over):
+    """``(loss, e)``: the first device ``e != over`` with room for one more unit that minimises
+    ``score[u, over] - score[u, e]``; ``(inf, -1)`` when none has room."""
+    best_e, best_loss = -1, np.inf
+    for e in range(score.shape[1]):
+        if e != over and load[e] + 1.0 <= cap:
+            loss = score[u, over] - score[u, e]
+            if loss < best_loss:
+                best_e, best_loss = e, loss
+    return best_loss, best_e
 
-    The batch-level optimum under equal slices (prices on over-subscribed devices), so tokens
-    that lose least overflow to their next-best rank.
+
+@numba.njit(cache=True)
+def _before(hl, hu, i, j):
+    return hl[i] < hl[j] or (hl[i] == hl[j] and hu[i] < hu[j])
+
+
+@numba.njit(cache=True)
+def _sift_down(hl, hu, lo, n, i):
+    """Restore the (loss, unit) min-heap ``hl/hu[lo:lo+n]`` below its entry ``i``."""
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _before(hl, hu, lo + c + 1, lo + c):
+            c += 1
+        if not _before(hl, hu, lo + c, lo + i):
+            return
+        hl[lo + c], hl[lo + i] = hl[lo + i], hl[lo + c]
+        hu[lo + c], hu[lo + i] = hu[lo + i], hu[lo + c]
+        i = c
+
+
+@numba.njit(cache=True)
+def repair_unit(score, device, load, cap):
+    """:func:`_repair_weighted` for unit weights, the same moves in ``O((moves + U) log U · E)``.
+
+    Each device over ``cap`` keeps a min-heap of its units keyed by (loss to the best device
+    with room, unit). Devices only lose room (a move fills its target; the over device stays
+    over until it reaches ``cap``), so a unit's best target stays best while it has room: an
+    entry whose target has filled is recomputed when it reaches the top (its loss can only
+    grow), and the top valid entry is the sequential loop's choice, ties included.
 
     Args:
-        scores: ``[B, E]``; capacity: slots per device, ``E * capacity >= B``.
+        score: ``[U, E]`` float64; device: ``[U]`` int64 and load: ``[E]`` float64 (its counts),
+        both updated in place; cap: the most units a device may hold.
     Returns:
-        ``[B]`` int64 device per token.
+        ``device``.
     """
-    device, _ = balanced_assignment(scores.astype(np.float64), np.ones(scores.shape[0]), float(capacity), 40)
+    U, E = score.shape
+    if U == 0:
+        return device
+    start = np.zeros(E + 1, np.int64)
+    for u in range(U):
+        start[device[u] + 1] += 1
+    for e in range(E):
+        start[e + 1] += start[e]
+    size = np.zeros(E, np.int64)
+    built = np.zeros(E, np.bool_)
+    target = np.full(U, -1, np.int64)
+    hl = np.empty(U)
+    hu = np.empty(U, np.int64)
+    for _ in range(U):
+        over = np.argmax(load)
+        if load[over] <= cap:
+            break
+        lo = start[over]
+        if not built[over]:
+            built[over] = True
+            n = 0
+            for u in range(U):
+                if device[u] == over:
+                    loss, e = _best_target(score, load, cap, u, over)
+                    if e >= 0:
+                        hl[lo + n], hu[lo + n], target[u] = loss, u, e
+                        n += 1
+            size[over] = n
+            for i in range(n // 2 - 1, -1, -1):
+                _sift_down(hl, hu, lo, n, i)
+        moved = -1
+        while size[over] > 0:
+            u = hu[lo]
+            if load[target[u]] + 1.0 <= cap:
+                moved = u
+                break
+            loss, e = _best_target(score, load, cap, u, over)
+            if e < 0:  # no device has room for it, nor will
+                size[over] -= 1
+                hl[lo], hu[lo] = hl[lo + size[over]], hu[lo + size[over]]
+            else:
+                hl[lo], target[u] = loss, e
+            _sift_down(hl, hu, lo, size[over], 0)
+        if moved < 0:
+            break
+        size[over] -= 1
+        hl[lo], hu[lo] = hl[lo + size[over]], hu[lo + size[over]]
+        _sift_down(hl, hu, lo, size[over], 0)
+        device[moved] = target[moved]
+        load[over] -= 1.0
+        load[target[moved]] += 1.0
     return device
 
 
