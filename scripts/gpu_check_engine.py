@@ -123,13 +123,15 @@ def _cuda_ms(fn, reps: int = 20) -> float:
 
 def time_without_vllm() -> dict:
     """Per batch B (DeepSeek-V2-Lite's MoE shape: H 2048, top-6 of 64 experts, intermediate 1408,
-    EP 8): the device-side decision, the Triton SRS pack + SAG unpack (bf16 rows) against their
-    PyTorch references, and one dense bf16 GEMM with the layer's expert FLOPs."""
+    EP 8): the device-side decision (whole, and its price rounds as the Triton kernel and as
+    PyTorch ops; whether the host repair ran), the Triton SRS pack + SAG unpack (bf16 rows)
+    against their PyTorch references, and one dense bf16 GEMM with the layer's expert FLOPs."""
     import numpy as np
     import torch
 
+    from csrc_triton import align as align_kernel
     from csrc_triton import shuffle
-    from vllm_semmoe import scheduling_torch
+    from vllm_semmoe import scheduling, scheduling_torch
 
     H, K, I = 2048, 6, 1408
     results = {}
@@ -139,11 +141,17 @@ def time_without_vllm() -> dict:
         x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
         _, slot_token, token_slot = scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
         packed = shuffle.srs_pack(x, slot_token)
+        scores = scheduling_torch.tp_expert_scores(*args, weights).to(torch.float64)
+        cap = scheduling.slice_capacity(B, E)
+        _, load = align_kernel.align_rounds(scores, cap, scheduling_torch.ROUNDS)
         a = torch.randn(B * K, H, device="cuda", dtype=torch.bfloat16)
         w13 = torch.randn(H, 2 * I, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(I, H, device="cuda", dtype=torch.bfloat16)
         out = {
             "decision_ms": _cuda_ms(lambda: scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)),
+            "rounds_triton_ms": _cuda_ms(lambda: align_kernel.align_rounds(scores, cap, scheduling_torch.ROUNDS)),
+            "rounds_torch_ops_ms": _cuda_ms(lambda: scheduling_torch._align_rounds_torch(scores, float(cap),
+                                                                                         scheduling_torch.ROUNDS)),
             "shuffle_triton_ms": _cuda_ms(lambda: shuffle.sag_unpack(shuffle.srs_pack(x, slot_token), token_slot)),
             "shuffle_reference_ms": _cuda_ms(lambda: shuffle.sag_unpack_reference(
                 shuffle.srs_pack_reference(x, slot_token), token_slot)),
@@ -151,6 +159,7 @@ def time_without_vllm() -> dict:
         }
         out["decision_share_upper_bound"] = out["decision_ms"] / (out["decision_ms"] + out["expert_flops_gemm_ms"])
         out["shuffle_share_upper_bound"] = out["shuffle_triton_ms"] / (out["shuffle_triton_ms"] + out["expert_flops_gemm_ms"])
+        out["repair_ran"] = bool(load.max() > cap)
         out["packed_equal_reference"] = bool(torch.equal(packed, shuffle.srs_pack_reference(x, slot_token)))
         results[str(B)] = out
     return results

@@ -8,18 +8,17 @@ identical, not merely close. The X-table rule (:func:`tp_expert_scores`) takes l
 exponentials, which PyTorch and Numba round differently in the last bits: its scores agree to
 float32 rounding, and the decision equals Numba's wherever no two choices are that close
 (property-tested); every rank runs the same implementation on the same inputs, so ranks agree. The price rounds
-run a fixed number of times with finished rounds masked out (no host round trip); one flag is
-read after them, and the sequential repair step (only when the prices leave a device over
-capacity) runs on the host in Numba.
+run as one Triton kernel on CUDA (:mod:`csrc_triton.align`; as PyTorch ops elsewhere, a fixed
+number of rounds with finished ones masked out); one flag is read after them, and the
+sequential repair step (only when the prices leave a device over capacity) runs on the host in
+Numba.
 """
 
 from __future__ import annotations
 
-import numba
-import numpy as np
 import torch
 
-from .scheduling import COMBINE_PRODUCT, slice_capacity
+from .scheduling import COMBINE_PRODUCT, repair_unit, slice_capacity
 
 ROUNDS = 40  # price rounds of :func:`vllm_semmoe.scheduling.align`
 
@@ -76,11 +75,28 @@ def tp_expert_scores(rows: torch.Tensor, prev: torch.Tensor, t2d_layer: torch.Te
 
 
 def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Tensor:
-    """``[B]`` int64 device per token, at most ``capacity`` each, as :func:`vllm_semmoe.scheduling.align`."""
+    """``[B]`` int64 device per token, at most ``capacity`` each, as :func:`vllm_semmoe.scheduling.align`.
+
+    On a CUDA device (or under ``TRITON_INTERPRET=1``) the price rounds run as one Triton kernel
+    (:func:`csrc_triton.align.align_rounds`, one launch); elsewhere as PyTorch ops."""
     score = scores.to(torch.float64)
+    cap = float(capacity)
+    from csrc_triton import align as align_kernel
+
+    if align_kernel.triton is not None and align_kernel.uses_triton(score):
+        device, load = align_kernel.align_rounds(score, capacity, rounds)
+    else:
+        device, load = _align_rounds_torch(score, cap, rounds)
+    if bool(load.max() > cap):  # the one host read: repair is rarely needed
+        device = _repair(score, device, load, cap)
+    return device
+
+
+def _align_rounds_torch(score: torch.Tensor, cap: float, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The price rounds in PyTorch ops: ``(device [B], load [E])`` of the last round run. A fixed
+    number of rounds with finished ones masked out (no host round trip)."""
     U, E = score.shape
     device_ = score.device
-    cap = float(capacity)
     price = torch.zeros(E, dtype=torch.float64, device=device_)
     device = torch.zeros(U, dtype=torch.int64, device=device_)
     load = torch.zeros(E, dtype=torch.float64, device=device_)
@@ -96,41 +112,14 @@ def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Te
         updated = torch.clamp_min(price + step * (new_load / cap - 1.0), 0.0)
         price = torch.where(done, price, updated)
         step = step * 0.93
-    if bool(load.max() > cap):  # the one host read: repair is rarely needed
-        device = _repair(score, device, load, cap)
-    return device
-
-
-@numba.njit(cache=True)
-def _repair_host(score, device, load, cap):
-    """Numba's repair loop of :func:`vllm_semmoe.scheduling.balanced_assignment` (unit weights):
-    move the units that lose least out of devices still over ``cap``; ``device``/``load`` in place."""
-    U, E = score.shape
-    for _ in range(U):
-        over = np.argmax(load)
-        if load[over] <= cap:
-            break
-        best_u, best_e, best_loss = -1, -1, np.inf
-        for u in range(U):
-            if device[u] != over:
-                continue
-            for e in range(E):
-                if e != over and load[e] + 1.0 <= cap:
-                    loss = score[u, over] - score[u, e]
-                    if loss < best_loss:
-                        best_u, best_e, best_loss = u, e, loss
-        if best_u < 0:
-            break
-        device[best_u] = best_e
-        load[over] -= 1.0
-        load[best_e] += 1.0
-    return device
+    return device, load
 
 
 def _repair(score, device, load, cap):
-    """The repair is sequential (each move changes the loads): run it on the host, in Numba, on
-    the rare batches the price rounds leave over capacity (one copy each way)."""
-    fixed = _repair_host(score.cpu().numpy(), device.cpu().numpy().copy(), load.cpu().numpy().copy(), cap)
+    """The repair is sequential (each move changes the loads): run it on the host, in Numba
+    (:func:`vllm_semmoe.scheduling.repair_unit`), on the batches the price rounds leave over
+    capacity (one copy each way)."""
+    fixed = repair_unit(score.cpu().numpy(), device.cpu().numpy().copy(), load.cpu().numpy().copy(), cap)
     return torch.from_numpy(fixed).to(score.device)
 
 
