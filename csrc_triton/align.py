@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .shuffle import _ADD, _jit, _interpret, triton, tl, uses_triton
+import functools
+
+from .shuffle import _ADD, _interpret, triton, tl, uses_triton
 
 __all__ = ["COMPILE_OPTIONS", "align_rounds", "uses_triton"]
 
@@ -29,22 +31,34 @@ if triton is not None:
     _MIN = tl.standard._elementwise_min
 
 
-def _align_kernel(score_ptr, params_ptr, device_ptr, load_ptr, B, E, rounds,
+def _align_kernel(score_ptr, params_ptr, device_ptr, load_ptr, over_ptr, B, E, capacity, rounds,
                   BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Grid ``(1,)``. score ``[B, E]`` float64 (contiguous); params ``[3]`` float64 = (initial
-    step, capacity, step decay); writes device ``[B]`` int64 (the last round's choice) and load
-    ``[E]`` float64 (tokens per device under it)."""
-    step = tl.load(params_ptr)
-    cap = tl.load(params_ptr + 1)
-    decay = tl.load(params_ptr + 2)
+    """Grid ``(1,)``. score ``[B, E]`` float64 (contiguous); params ``[3]`` float64 = (step
+    decay 0.93, step scale 0.05, 1e-9); writes device ``[B]`` int64 (the last round's choice),
+    load ``[E]`` float64 (tokens per device under it) and over ``[1]`` int32 (1 when a device is
+    still over ``capacity``: the caller repairs)."""
+    decay = tl.load(params_ptr)
+    scale = tl.load(params_ptr + 1)
+    tiny = tl.load(params_ptr + 2)
+    cap = capacity.to(tl.float64)
     cols = tl.arange(0, BLOCK_E)
     in_e = cols < E
+    offs = tl.arange(0, BLOCK_B).to(tl.int64)
+    # initial step = 0.05 * (max - min + 1e-9) over the scores, as Numba computes it
+    hi = tl.full([BLOCK_E], float("-inf"), tl.float64)
+    lo = tl.full([BLOCK_E], float("inf"), tl.float64)
+    for start in range(0, B, BLOCK_B):
+        b = start + offs
+        m = (b < B)[:, None] & in_e[None, :]
+        s = tl.load(score_ptr + b[:, None] * E + cols[None, :], mask=m, other=0.0)
+        hi = tl.where(in_e, tl.maximum(hi, tl.reduce(tl.where(m, s, float("-inf")), 0, _MAX)), hi)
+        lo = tl.where(in_e, tl.minimum(lo, tl.reduce(tl.where(m, s, float("inf")), 0, _MIN)), lo)
+    step = scale * (tl.reduce(hi, 0, _MAX) - tl.reduce(lo, 0, _MIN) + tiny)
     price = tl.full([BLOCK_E], 0.0, tl.float64)
     load = tl.full([BLOCK_E], 0.0, tl.float64)
-    offs = tl.arange(0, BLOCK_B).to(tl.int64)
+    over = tl.full([], 1, tl.int32)
     r = tl.full([], 0, tl.int32)
-    done = tl.full([], 0, tl.int32)
-    while (r < rounds) & (done == 0):
+    while (r < rounds) & (over != 0):
         load = tl.full([BLOCK_E], 0.0, tl.float64)
         for start in range(0, B, BLOCK_B):
             b = start + offs
@@ -57,41 +71,74 @@ def _align_kernel(score_ptr, params_ptr, device_ptr, load_ptr, B, E, rounds,
             tl.store(device_ptr + b, best.to(tl.int64), mask=in_b)
             hit = ((best[:, None] == cols[None, :]) & in_b[:, None]).to(tl.float64)
             load += tl.reduce(hit, 0, _ADD)
-        over = tl.reduce(tl.where(in_e, load, 0.0), 0, _MAX) > cap
-        done = tl.where(over, 0, 1)
+        is_over = tl.reduce(tl.where(in_e, load, 0.0), 0, _MAX) > cap
+        over = tl.where(is_over, 1, 0)
         raised = price + step * (load / cap - 1.0)
-        price = tl.where(over, tl.where(raised > 0.0, raised, 0.0), price)
-        step = tl.where(over, step * decay, step)
+        price = tl.where(is_over, tl.where(raised > 0.0, raised, 0.0), price)
+        step = tl.where(is_over, step * decay, step)
         r += 1
     tl.store(load_ptr + cols, load, mask=in_e)
+    tl.store(over_ptr, over)
 
 
-def align_rounds(score: torch.Tensor, capacity: int, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The price rounds of :func:`vllm_semmoe.scheduling.balanced_assignment` (unit weights).
+#: integer arguments Triton must not specialise: a value of 1 would become a compile-time
+#: constant (a plain int inside the kernel), found on an H200 with capacity 1
+_RUNTIME_INTS = ["B", "E", "capacity", "rounds"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(interpret: bool):
+    # `interpret` is only part of the cache key: triton.jit reads the same setting itself.
+    return triton.jit(_align_kernel, do_not_specialize=_RUNTIME_INTS)
+
+
+_PARAMS: dict = {}
+
+
+def _params(device: torch.device) -> torch.Tensor:
+    """The kernel's float64 constants on ``device`` (made once per device: no copy per call)."""
+    params = _PARAMS.get(device)
+    if params is None:
+        params = _PARAMS[device] = torch.tensor([0.93, 0.05, 1e-9], dtype=torch.float64, device=device)
+    return params
+
+
+def align_rounds(score: torch.Tensor, capacity: int, rounds: int, *, tile: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The price rounds of :func:`vllm_semmoe.scheduling.balanced_assignment` (unit weights),
+    one launch, nothing read back.
 
     Args:
         score: ``[B, E]`` float64 on a CUDA device (or any device under ``TRITON_INTERPRET=1``).
-        capacity: tokens a device may take; rounds: most price rounds.
+        capacity: tokens a device may take; rounds: most price rounds (>= 1).
+        tile, num_warps: scores per tile of the batch walk and Triton's warps; None: 4096 and 4
+            for a batch that fits one such tile, else 8192 and 16 (the fastest of those tried
+            on an H200 at 512 to 16384 tokens × 8 devices, ``scripts/gpu_check.sh``).
     Returns:
-        ``(device [B] int64, load [E] float64)``: the last round's choice and its loads; a device
-        may still be over ``capacity`` (the caller repairs).
+        ``(device [B] int64, load [E] float64, over [1] int32)``: the last round's choice, its
+        loads, and 1 where a device is still over ``capacity`` (the caller repairs).
     """
     if triton is None or not uses_triton(score):
         raise RuntimeError("align_rounds needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     if score.dim() != 2 or score.dtype != torch.float64:
         raise ValueError(f"score must be a [B, E] float64 tensor, got {tuple(score.shape)} {score.dtype}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     score = score.contiguous()
     B, E = score.shape
-    device = torch.zeros(B, dtype=torch.int64, device=score.device)
-    load = torch.zeros(E, dtype=torch.float64, device=score.device)
     if B == 0:
-        return device, load
-    step = 0.05 * (score.max() - score.min() + 1e-9)  # float64 on the device, as Numba computes it
-    params = torch.stack([step, step.new_tensor(float(capacity)), step.new_tensor(0.93)])
+        return (torch.zeros(0, dtype=torch.int64, device=score.device),
+                torch.zeros(E, dtype=torch.float64, device=score.device),
+                torch.zeros(1, dtype=torch.int32, device=score.device))
+    device = torch.empty(B, dtype=torch.int64, device=score.device)  # every entry written in round 1
+    load = torch.empty(E, dtype=torch.float64, device=score.device)
+    over = torch.empty(1, dtype=torch.int32, device=score.device)
     block_e = max(2, triton.next_power_of_2(E))
-    block_b = max(16, min(1024, triton.next_power_of_2(B), 4096 // block_e))
-    kernel = _jit(_align_kernel, _interpret())
-    launch = kernel[(1,)]
-    options = {} if _interpret() else COMPILE_OPTIONS
-    launch(score, params, device, load, B, E, rounds, BLOCK_B=block_b, BLOCK_E=block_e, **options)
-    return device, load
+    large = B * block_e > 4096
+    tile = tile or (8192 if large else 4096)
+    num_warps = num_warps or (16 if large else 4)
+    block_b = max(16, min(triton.next_power_of_2(B), tile // block_e))
+    options = {} if _interpret() else dict(COMPILE_OPTIONS, num_warps=num_warps)
+    _kernel(_interpret())[(1,)](score, _params(score.device), device, load, over, B, E, int(capacity),
+                                           rounds, BLOCK_B=block_b, BLOCK_E=block_e, **options)
+    return device, load, over

@@ -123,8 +123,9 @@ def _cuda_ms(fn, reps: int = 20) -> float:
 
 def time_without_vllm() -> dict:
     """Per batch B (DeepSeek-V2-Lite's MoE shape: H 2048, top-6 of 64 experts, intermediate 1408,
-    EP 8): the device-side decision (whole, and its price rounds as the Triton kernel and as
-    PyTorch ops; whether the host repair ran), the Triton SRS pack + SAG unpack (bf16 rows)
+    EP 8): the device-side decision, whole and by part (scores, price rounds as the Triton kernel
+    and as PyTorch ops, the flag read, the host repair when it runs, the permutation), the rounds
+    kernel at other tile sizes and warp counts, the Triton SRS pack + SAG unpack (bf16 rows)
     against their PyTorch references, and one dense bf16 GEMM with the layer's expert FLOPs."""
     import numpy as np
     import torch
@@ -134,32 +135,45 @@ def time_without_vllm() -> dict:
     from vllm_semmoe import scheduling, scheduling_torch
 
     H, K, I = 2048, 6, 1408
+    rounds = scheduling_torch.ROUNDS
     results = {}
     for B in (64, 512, 4096, 16384):
         args, weights, E = _expert_rule_inputs(np.random.default_rng(B), B)
         args = tuple(torch.from_numpy(a).cuda() for a in args)
         x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
-        _, slot_token, token_slot = scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
+        device, slot_token, token_slot = scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
         packed = shuffle.srs_pack(x, slot_token)
         scores = scheduling_torch.tp_expert_scores(*args, weights).to(torch.float64)
         cap = scheduling.slice_capacity(B, E)
-        _, load = align_kernel.align_rounds(scores, cap, scheduling_torch.ROUNDS)
+        rounds_device, load, over = align_kernel.align_rounds(scores, cap, rounds)
         a = torch.randn(B * K, H, device="cuda", dtype=torch.bfloat16)
         w13 = torch.randn(H, 2 * I, device="cuda", dtype=torch.bfloat16)
         w2 = torch.randn(I, H, device="cuda", dtype=torch.bfloat16)
         out = {
             "decision_ms": _cuda_ms(lambda: scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)),
-            "rounds_triton_ms": _cuda_ms(lambda: align_kernel.align_rounds(scores, cap, scheduling_torch.ROUNDS)),
-            "rounds_torch_ops_ms": _cuda_ms(lambda: scheduling_torch._align_rounds_torch(scores, float(cap),
-                                                                                         scheduling_torch.ROUNDS)),
+            "scores_ms": _cuda_ms(lambda: scheduling_torch.tp_expert_scores(*args, weights)),
+            "rounds_triton_ms": _cuda_ms(lambda: align_kernel.align_rounds(scores, cap, rounds)),
+            "rounds_torch_ops_ms": _cuda_ms(lambda: scheduling_torch._align_rounds_torch(scores, float(cap), rounds)),
+            "flag_read_ms": _cuda_ms(lambda: bool(over.item())),
+            "repair_ms": _cuda_ms(lambda: scheduling_torch._repair(scores, rounds_device, load, float(cap))),
+            "permutation_ms": _cuda_ms(lambda: scheduling_torch.shuffle_permutation(device, E, cap)),
             "shuffle_triton_ms": _cuda_ms(lambda: shuffle.sag_unpack(shuffle.srs_pack(x, slot_token), token_slot)),
             "shuffle_reference_ms": _cuda_ms(lambda: shuffle.sag_unpack_reference(
                 shuffle.srs_pack_reference(x, slot_token), token_slot)),
             "expert_flops_gemm_ms": _cuda_ms(lambda: (a @ w13)[:, :I] @ w2),
         }
+        for tile, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+            out[f"rounds_triton_ms_tile{tile}_warps{warps}"] = _cuda_ms(
+                lambda: align_kernel.align_rounds(scores, cap, rounds, tile=tile, num_warps=warps))
+            same = align_kernel.align_rounds(scores, cap, rounds, tile=tile, num_warps=warps)
+            out.setdefault("tiles_agree", True)
+            out["tiles_agree"] &= torch.equal(same[0], rounds_device) and torch.equal(same[1], load)
         out["decision_share_upper_bound"] = out["decision_ms"] / (out["decision_ms"] + out["expert_flops_gemm_ms"])
         out["shuffle_share_upper_bound"] = out["shuffle_triton_ms"] / (out["shuffle_triton_ms"] + out["expert_flops_gemm_ms"])
-        out["repair_ran"] = bool(load.max() > cap)
+        out["repair_ran"] = bool(over.item())
+        out["permutation_equal_numba"] = bool(np.array_equal(
+            scheduling_torch.shuffle_permutation(device, E, cap)[0].cpu().numpy(),
+            scheduling.shuffle_permutation(device.cpu().numpy(), E, cap)[0]))
         out["packed_equal_reference"] = bool(torch.equal(packed, shuffle.srs_pack_reference(x, slot_token)))
         results[str(B)] = out
     return results
@@ -178,7 +192,8 @@ def main_without_vllm(out_dir: str) -> None:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary))
     ok = summary["decision_mismatches"] == 0 and all(
-        v["packed_equal_reference"] for v in summary["timing_without_vllm"].values())
+        v["packed_equal_reference"] and v["tiles_agree"] and v["permutation_equal_numba"]
+        for v in summary["timing_without_vllm"].values())
     sys.exit(0 if ok else 1)
 
 

@@ -43,9 +43,10 @@ def test_kernel_equals_numba_and_torch_rounds(B, E, kind, seed):
     s = scores(B, E, kind, seed)
     cap = scheduling.slice_capacity(B, E)
     score = torch.from_numpy(s).double()
-    device, load = align_kernel.align_rounds(score, cap, scheduling_torch.ROUNDS)
+    device, load, over = align_kernel.align_rounds(score, cap, scheduling_torch.ROUNDS)
     ref_device, ref_load = scheduling_torch._align_rounds_torch(score, float(cap), scheduling_torch.ROUNDS)
     assert torch.equal(device, ref_device) and torch.equal(load, ref_load)
+    assert over.tolist() == [int(load.max() > cap)]
     assert torch.equal(load, torch.bincount(device, minlength=E).double())
     # the whole decision (kernel rounds + repair) equals Numba's
     np.testing.assert_array_equal(scheduling_torch.align(torch.from_numpy(s), cap).numpy(), scheduling.align(s, cap))
@@ -62,8 +63,14 @@ def test_dispatch_and_errors():
         np.testing.assert_array_equal(scheduling_torch.align(s, 13).numpy(), scheduling.align(s.numpy(), 13))
     with pytest.raises(ValueError, match="float64"):
         align_kernel.align_rounds(s.float(), 13, 40)
-    device, load = align_kernel.align_rounds(torch.zeros((0, 4), dtype=torch.float64), 1, 40)
-    assert device.numel() == 0 and load.tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="rounds"):
+        align_kernel.align_rounds(s, 13, 0)
+    device, load, over = align_kernel.align_rounds(torch.zeros((0, 4), dtype=torch.float64), 1, 40)
+    assert device.numel() == 0 and load.tolist() == [0.0] * 4 and over.tolist() == [0]
+    # small tiles: the batch walked in many tiles gives the same rounds
+    got = align_kernel.align_rounds(s, 13, 40, tile=32)
+    want = align_kernel.align_rounds(s, 13, 40, tile=8192)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 compilable = pytest.mark.skipif(not isinstance(shuffle._ADD, triton.JITFunction),
@@ -80,9 +87,11 @@ def test_kernel_compiles_exact_for_cuda(arch):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET")
-        kernel = shuffle._jit(align_kernel._align_kernel, False)
-    sig = {"score_ptr": "*fp64", "params_ptr": "*fp64", "device_ptr": "*i64", "load_ptr": "*fp64", "B": "i32",
-           "E": "i32", "rounds": "i32", "BLOCK_B": "constexpr", "BLOCK_E": "constexpr"}
+        kernel = align_kernel._kernel(False)
+    # a runtime int of value 1 must stay a tensor inside the kernel (capacity 1 broke on CUDA)
+    assert {p.name for p in kernel.params if p.do_not_specialize} == set(align_kernel._RUNTIME_INTS)
+    sig = {"score_ptr": "*fp64", "params_ptr": "*fp64", "device_ptr": "*i64", "load_ptr": "*fp64", "over_ptr": "*i32",
+           "B": "i32", "E": "i32", "capacity": "i32", "rounds": "i32", "BLOCK_B": "constexpr", "BLOCK_E": "constexpr"}
     src = ASTSource(fn=kernel, signature=sig, constexprs={"BLOCK_B": 512, "BLOCK_E": 8})
     asm = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=align_kernel.COMPILE_OPTIONS).asm
     assert "cubin" in asm

@@ -84,10 +84,12 @@ def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Te
     from csrc_triton import align as align_kernel
 
     if align_kernel.triton is not None and align_kernel.uses_triton(score):
-        device, load = align_kernel.align_rounds(score, capacity, rounds)
+        device, load, over = align_kernel.align_rounds(score, capacity, rounds)
+        over = bool(over.item())  # the one host read
     else:
         device, load = _align_rounds_torch(score, cap, rounds)
-    if bool(load.max() > cap):  # the one host read: repair is rarely needed
+        over = bool(load.max() > cap)  # the one host read
+    if over:
         device = _repair(score, device, load, cap)
     return device
 
@@ -124,7 +126,13 @@ def _repair(score, device, load, cap):
 
 
 def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slot_token [E*cap], token_slot [B])`` as :func:`vllm_semmoe.scheduling.shuffle_permutation`."""
+    """``(slot_token [E*cap], token_slot [B])`` as :func:`vllm_semmoe.scheduling.shuffle_permutation`
+    (on CUDA the Triton device-grouping kernel, one launch, unvalidated: ``device`` comes from
+    :func:`align`, at most ``capacity`` per device)."""
+    from csrc_triton import shuffle
+
+    if shuffle.uses_triton(device):
+        return shuffle.device_grouping(device, ep_size, capacity, validate=False)
     onehot = torch.nn.functional.one_hot(device, ep_size)
     fill = onehot.cumsum(dim=0).gather(1, device[:, None]).squeeze(1) - 1  # earlier tokens of the same device
     token_slot = device * capacity + fill
