@@ -18,11 +18,7 @@ from csrc_triton import align as align_kernel  # noqa: E402
 from csrc_triton import shuffle  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 def scores(B, E, kind, seed):

@@ -19,11 +19,7 @@ from vllm_semmoe import scheduling
 triton = pytest.importorskip("triton")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 def balanced_devices(B, E, seed, skew=False):
