@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from csrc_triton import align as align_kernel
+from csrc_triton import shuffle
+
 from .scheduling import COMBINE_PRODUCT, repair_unit, slice_capacity
 
 ROUNDS = 40  # price rounds of :func:`vllm_semmoe.scheduling.align`
@@ -81,8 +84,6 @@ def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Te
     (:func:`csrc_triton.align.align_rounds`, one launch); elsewhere as PyTorch ops."""
     score = scores.to(torch.float64)
     cap = float(capacity)
-    from csrc_triton import align as align_kernel
-
     if align_kernel.triton is not None and align_kernel.uses_triton(score):
         device, load, over = align_kernel.align_rounds(score, capacity, rounds)
         over = bool(over.item())  # the one host read
@@ -129,8 +130,6 @@ def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tu
     """``(slot_token [E*cap], token_slot [B])`` as :func:`vllm_semmoe.scheduling.shuffle_permutation`
     (on CUDA the Triton device-grouping kernel, one launch, unvalidated: ``device`` comes from
     :func:`align`, at most ``capacity`` per device)."""
-    from csrc_triton import shuffle
-
     if shuffle.uses_triton(device):
         return shuffle.device_grouping(device, ep_size, capacity, validate=False)
     onehot = torch.nn.functional.one_hot(device, ep_size)
