@@ -16,9 +16,9 @@ as float32.
 
 from __future__ import annotations
 
-import torch
-
 import functools
+
+import torch
 
 from .shuffle import _ADD, _interpret, triton, tl, uses_triton
 
