@@ -12,12 +12,15 @@
 # Steps (each prints a line; the last line is the JSON summary):
 #  1. install .[cuda,dev] (vllm>=0.32,<0.34, the CUDA build) unless the Python already has it;
 #  2. `semmoe doctor` on that vLLM;
-#  3. the Triton shuffle kernels compiled for this GPU against their references;
-#  4. the device-side (PyTorch) TP decision against the Numba one, on the GPU;
+#  3. the Triton kernels (shuffle, the decision's price rounds) compiled for this GPU against
+#     their references;
+#  4. the device-side (PyTorch + Triton) TP decision against the Numba one, on the GPU;
 #  5. the tiny MoE model through CUDA vLLM, compiled with piecewise CUDA graphs, with a Sem-MoE
 #     placement and routing capture: tokens equal the plugin-off run, every step captured, and
 #     the default full CUDA graphs refused at start with the plugin's message;
-#  6. the device-side TP decision timed against a MoE layer of the same batch on the GPU.
+#  6. the device-side TP decision timed against a MoE layer of the same batch on the GPU (with
+#     SEMMOE_GPU_NO_VLLM: by part, against the layer's expert FLOPs, and the rounds kernel at
+#     several tile sizes and warp counts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
