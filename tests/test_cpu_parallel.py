@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared_fixtures import DATA_DIR
 from vllm_semmoe.assets import tiny_moe_path
 
 pytest.importorskip("vllm")
@@ -740,7 +741,7 @@ def test_tp2_srs_sag_shuffle(reference: list[dict], tmp_path: Path) -> None:
     from vllm_semmoe.vllm_adapter.engine import run_prompts
     from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
-    sharegpt = REPO.parent / "shared" / "data" / "text" / "sharegpt_4k.jsonl.gz"
+    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
     run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
                 semmoe={"capture": str(tmp_path / "profile.npz")})
     profile = load_trace(tmp_path / "profile.npz")
