@@ -22,7 +22,7 @@ import torch
 
 from .shuffle import _ADD, _interpret, triton, tl, uses_triton
 
-__all__ = ["COMPILE_OPTIONS", "align_rounds", "uses_triton"]
+__all__ = ["COMPILE_OPTIONS", "align_rounds"]
 
 COMPILE_OPTIONS = {"enable_fp_fusion": False}  # no contracted multiply-adds: Numba's rounding
 
@@ -92,15 +92,10 @@ def _kernel(interpret: bool):
     return triton.jit(_align_kernel, do_not_specialize=_RUNTIME_INTS)
 
 
-_PARAMS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _params(device: torch.device) -> torch.Tensor:
     """The kernel's float64 constants on ``device`` (made once per device: no copy per call)."""
-    params = _PARAMS.get(device)
-    if params is None:
-        params = _PARAMS[device] = torch.tensor([0.93, 0.05, 1e-9], dtype=torch.float64, device=device)
-    return params
+    return torch.tensor([0.93, 0.05, 1e-9], dtype=torch.float64, device=device)
 
 
 def align_rounds(score: torch.Tensor, capacity: int, rounds: int, *, tile: int | None = None,
@@ -118,7 +113,7 @@ def align_rounds(score: torch.Tensor, capacity: int, rounds: int, *, tile: int |
         ``(device [B] int64, load [E] float64, over [1] int32)``: the last round's choice, its
         loads, and 1 where a device is still over ``capacity`` (the caller repairs).
     """
-    if triton is None or not uses_triton(score):
+    if not uses_triton(score):  # (False without Triton)
         raise RuntimeError("align_rounds needs Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     if score.dim() != 2 or score.dtype != torch.float64:
         raise ValueError(f"score must be a [B, E] float64 tensor, got {tuple(score.shape)} {score.dtype}")

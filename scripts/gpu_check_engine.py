@@ -89,24 +89,14 @@ def time_moe_vs_decision(worker) -> dict:
         def decide():
             return scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
 
-        out = {}
-        for name, fn in (("moe_layer_ms", moe), ("decision_ms", decide)):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            out[name] = start.elapsed_time(end) / 20
+        out = {"moe_layer_ms": _cuda_ms(moe), "decision_ms": _cuda_ms(decide)}
         out["decision_share"] = out["decision_ms"] / (out["decision_ms"] + out["moe_layer_ms"])
         results[str(B)] = out
     return results
 
 
 def _cuda_ms(fn, reps: int = 20) -> float:
+    """Mean milliseconds of ``fn()`` on the GPU (CUDA events; 3 warm-up calls, then ``reps``)."""
     import torch
 
     for _ in range(3):
@@ -141,9 +131,10 @@ def time_without_vllm() -> dict:
         args, weights, E = _expert_rule_inputs(np.random.default_rng(B), B)
         args = tuple(torch.from_numpy(a).cuda() for a in args)
         x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
-        device, slot_token, token_slot = scheduling_torch.tp_decide(scheduling_torch.tp_expert_scores(*args, weights), E)
+        scores = scheduling_torch.tp_expert_scores(*args, weights)
+        device, slot_token, token_slot = scheduling_torch.tp_decide(scores, E)
         packed = shuffle.srs_pack(x, slot_token)
-        scores = scheduling_torch.tp_expert_scores(*args, weights).to(torch.float64)
+        scores = scores.to(torch.float64)
         cap = scheduling.slice_capacity(B, E)
         rounds_device, load, over = align_kernel.align_rounds(scores, cap, rounds)
         a = torch.randn(B * K, H, device="cuda", dtype=torch.bfloat16)

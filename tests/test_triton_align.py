@@ -50,10 +50,10 @@ def test_kernel_equals_numba_and_torch_rounds(B, E, kind, seed):
 
 def test_dispatch_and_errors():
     s = torch.from_numpy(scores(50, 4, "random", 1)).double()
-    assert align_kernel.uses_triton(s)
+    assert shuffle.uses_triton(s)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET")
-        assert not align_kernel.uses_triton(s)
+        assert not shuffle.uses_triton(s)
         with pytest.raises(RuntimeError, match="CUDA tensor"):
             align_kernel.align_rounds(s, 13, 40)
         np.testing.assert_array_equal(scheduling_torch.align(s, 13).numpy(), scheduling.align(s.numpy(), 13))

@@ -179,10 +179,7 @@ def balanced_assignment(score, weight, cap, rounds):
             price[e] = max(0.0, price[e] + step * (load[e] / cap - 1.0))
         step *= 0.93
     # repair: move the cheapest units out of devices still over the cap
-    unit = True
-    for u in range(U):
-        unit = unit and weight[u] == 1.0
-    if unit:
+    if np.all(weight == 1.0):
         repair_unit(score, device, load, cap)
     else:
         _repair_weighted(score, weight, device, load, cap)

@@ -84,7 +84,7 @@ def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Te
     (:func:`csrc_triton.align.align_rounds`, one launch); elsewhere as PyTorch ops."""
     score = scores.to(torch.float64)
     cap = float(capacity)
-    if align_kernel.triton is not None and align_kernel.uses_triton(score):
+    if shuffle.uses_triton(score):
         device, load, over = align_kernel.align_rounds(score, capacity, rounds)
         over = bool(over.item())  # the one host read
     else:
