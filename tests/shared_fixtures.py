@@ -32,3 +32,39 @@ def dev_trace(dev_trace_path):
 def small_trace(dev_trace):
     """The first 200 real requests: quick to solve, still real routing."""
     return dev_trace.select_requests(np.arange(200))
+
+
+def serving_by_hand(expert_device, holds, experts, token_device):
+    """The rank computing each activation, token by token (an independent restatement of
+    ``Placement.serving_device``): the token's own rank where it holds a copy of the expert;
+    else, if the expert has one copy, its home; else (slot order) the first of its copies
+    ([home rank, replica ranks ascending]) among the ranks the token already goes to, else
+    copy ``(row * K + slot) mod copies``.
+
+    expert_device ``[L, N]``; holds ``[L, N, E]`` bool; experts ``[T, L, K]``; token_device
+    ``[T, L]``. Returns ``[T, L, K]`` int64."""
+    T, L, K = experts.shape
+    out = np.zeros((T, L, K), np.int64)
+    for t in range(T):
+        for l in range(L):
+            d = int(token_device[t, l])
+            holders = []
+            for k in range(K):
+                e = int(experts[t, l, k])
+                home = int(expert_device[l, e])
+                holders.append([home] + [r for r in range(holds.shape[2]) if holds[l, e, r] and r != home])
+            goes_to = {h[0] for h in holders if len(h) == 1 and d not in h}
+            for k in range(K):
+                h = holders[k]
+                if d in h:
+                    out[t, l, k] = d
+                elif len(h) == 1:
+                    out[t, l, k] = h[0]
+            for k in range(K):
+                h = holders[k]
+                if d in h or len(h) == 1:
+                    continue
+                shared = [r for r in h if r in goes_to]
+                out[t, l, k] = shared[0] if shared else h[(t * K + k) % len(h)]
+                goes_to.add(int(out[t, l, k]))
+    return out

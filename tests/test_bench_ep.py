@@ -19,6 +19,8 @@ from vllm_semmoe.cli.bench import add_bench_ep_arguments, cmd_bench_ep
 from vllm_semmoe.evaluate import EvalConfig, compare_methods
 from vllm_semmoe.trace import TraceError
 
+from shared_fixtures import serving_by_hand
+
 SMALL = dict(hidden=64, expert_dim=16, batch_tokens=128, max_batches=3)
 ELEM = 2  # bfloat16 on the wire
 
@@ -66,22 +68,44 @@ def tp4(dev_trace_path):
                         **dict(SMALL, max_batches=4))
 
 
+@pytest.fixture(scope="module")
+def tp4_r1(dev_trace_path):
+    """tp4 with one replica slot per rank for semmoe (vanilla keeps R = 0)."""
+    return run_bench_ep(dev_trace_path, 4, "tp", ["vanilla", "semmoe"], layers=6, redundant=1,
+                        **dict(SMALL, max_batches=4))
+
+
+@pytest.fixture(scope="module")
+def dp4_r1(dev_trace_path):
+    return run_bench_ep(dev_trace_path, 4, "dp", ["vanilla", "semmoe"], layers=3, redundant=1, **SMALL)
+
+
 def _expected_rows(plan, method):
-    """Rows each rank must dispatch to each other rank, counted token by token (no NumPy tricks)."""
+    """Rows each rank must dispatch to each other rank, counted token by token (no NumPy tricks),
+    from the placement's copies and the serving rule restated by hand."""
     rows_idx, offsets = plan.step_rows[method]
     dev = plan.step_device[method]
-    e2d = plan.expert_device[method]
+    serving = serving_by_hand(plan.expert_device[method], plan.holds[method], plan.experts[rows_idx], dev)
     L, E = plan.num_layers, plan.ranks
     rows = np.zeros((L, E, E), np.int64)
-    for p, row in enumerate(rows_idx):
+    for p in range(len(rows_idx)):
         for layer in range(L):
             home = int(dev[p, layer])
-            for dst in {int(e2d[layer, e]) for e in plan.experts[row, layer]} - {home}:
+            for dst in {int(r) for r in serving[p, layer]} - {home}:
                 rows[layer, home, dst] += 1
     return rows
 
 
-@pytest.mark.parametrize("run", ["tp2", "dp4", "tp4"])
+def _local_by_hand(plan, method):
+    """Activations whose expert has a copy on the token's rank."""
+    rows_idx, _ = plan.step_rows[method]
+    dev = plan.step_device[method]
+    holds = plan.holds[method]
+    return sum(bool(holds[layer, e, dev[p, layer]]) for p, row in enumerate(rows_idx)
+               for layer in range(plan.num_layers) for e in plan.experts[row, layer])
+
+
+@pytest.mark.parametrize("run", ["tp2", "dp4", "tp4", "tp4_r1", "dp4_r1"])
 def test_every_byte_sent_is_received(run, request):
     result = request.getfixturevalue(run)
     E = result["ranks"]
@@ -101,6 +125,8 @@ def test_every_byte_sent_is_received(run, request):
 @pytest.mark.parametrize("run, mode, ranks, methods, kwargs", [
     ("tp2", "tp", 2, ["vanilla", "semmoe"], dict(layers=4, batch_tokens=128, max_batches=3)),
     ("dp4", "dp", 4, ["vanilla", "eplb", "semmoe"], dict(layers=3, batch_tokens=128, max_batches=3)),
+    ("tp4_r1", "tp", 4, ["vanilla", "semmoe"], dict(layers=6, batch_tokens=128, max_batches=4, redundant=1)),
+    ("dp4_r1", "dp", 4, ["vanilla", "semmoe"], dict(layers=3, batch_tokens=128, max_batches=3, redundant=1)),
 ])
 def test_measured_bytes_equal_the_routing(run, mode, ranks, methods, kwargs, request, dev_trace_path):
     """The bytes the ranks handed to all_to_all_single are exactly what the routing implies."""
@@ -114,6 +140,7 @@ def test_measured_bytes_equal_the_routing(run, mode, ranks, methods, kwargs, req
         assert row["bytes_per_layer"] == list(2 * rows.sum(axis=(1, 2)) * result["hidden"] * ELEM)
         counts = analytic_counts(plan, name)
         assert row["lar"] == pytest.approx(counts["local"] / counts["activations"])
+        assert counts["local"] == _local_by_hand(plan, name)
         assert row["tokens"] == counts["tokens"] == plan.step_rows[name][1][-1]
 
 
@@ -127,8 +154,8 @@ def test_semmoe_moves_fewer_bytes_than_vanilla(tp4, dp4):
     assert tp4["methods"]["semmoe"]["bytes_ratio_vs_vanilla"] < 0.9
 
 
-def test_output_matches_single_process_reference(tp2, dp4, tp4):
-    for result in (tp2, dp4, tp4):
+def test_output_matches_single_process_reference(tp2, dp4, tp4, tp4_r1, dp4_r1):
+    for result in (tp2, dp4, tp4, tp4_r1, dp4_r1):
         for row in result["methods"].values():
             assert 0.0 < row["check_max_rel_err"] < bench_ep.CHECK_TOL  # bf16 rounding, not zero: computed
 
@@ -151,6 +178,21 @@ def test_json_fields_and_table(tp2):
     assert "vanilla" in table and "semmoe" in table and "bytes_x" in table
 
 
+def test_replicas_make_activations_local_and_move_fewer_bytes(tp4, tp4_r1, dp4, dp4_r1):
+    """One replica slot per rank (chosen on the profile for locality): more activations are
+    computed on the token's own rank and fewer bytes cross ranks, for the same tokens; each
+    rank holds one more expert per layer; vanilla (no replication) is unchanged."""
+    for r0, r1 in ((tp4, tp4_r1), (dp4, dp4_r1)):
+        van0, van1 = r0["methods"]["vanilla"], r1["methods"]["vanilla"]
+        sem0, sem1 = r0["methods"]["semmoe"], r1["methods"]["semmoe"]
+        assert van1["total_bytes"] == van0["total_bytes"] and van1["redundant"] == 0
+        assert (sem0["redundant"], sem1["redundant"]) == (0, 1)
+        assert (sem0["experts_per_rank"], sem1["experts_per_rank"]) == (16, 17)  # 64 experts / 4 ranks (+1)
+        assert sem1["tokens"] == sem0["tokens"]
+        assert sem1["lar"] > sem0["lar"] + 0.01, r1["mode"]
+        assert sem1["total_bytes"] < sem0["total_bytes"], r1["mode"]
+
+
 def test_no_rank_process_left(tp2, dp4, tp4):
     if not os.path.isdir("/proc"):
         pytest.skip("needs /proc")
@@ -158,17 +200,20 @@ def test_no_rank_process_left(tp2, dp4, tp4):
 
 
 def test_plan_lar_equals_offline_evaluation(dev_trace):
-    """With all batches, the benchmark's schedule is evaluate's: same LAR to the last activation."""
+    """With all batches, the benchmark's schedule is evaluate's: same LAR to the last activation,
+    with and without replicas."""
     trace = _first_layers(dev_trace.select_requests(np.arange(120)), 3)
     methods = ["vanilla", "semmoe"]
     for mode in ("tp", "dp"):
-        plan = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128)
-        profile, rest = trace.split(0.2, 0)
-        rows = compare_methods(profile, rest, 4, methods, EvalConfig(mode=mode, batch_tokens=128))
-        for name in methods:
-            counts = analytic_counts(plan, name)
-            assert counts["tokens"] == rest.num_tokens
-            assert counts["local"] / counts["activations"] == pytest.approx(rows[name]["lar"], abs=1e-12), (mode, name)
+        for R in (0, 1):
+            plan = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128, redundant=R)
+            profile, rest = trace.split(0.2, 0)
+            rows = compare_methods(profile, rest, 4, methods, EvalConfig(mode=mode, batch_tokens=128), redundant=R)
+            for name in methods:
+                counts = analytic_counts(plan, name)
+                assert counts["tokens"] == rest.num_tokens
+                assert counts["local"] / counts["activations"] == pytest.approx(rows[name]["lar"], abs=1e-12), \
+                    (mode, R, name)
 
 
 def test_missing_trace_is_a_clear_error(tmp_path):
@@ -187,5 +232,7 @@ def test_bad_arguments_fail_before_spawning(dev_trace_path):
         run_bench_ep(dev_trace_path, 3, "tp", ["vanilla"], max_batches=1, layers=1)
     with pytest.raises(ValueError, match="unknown placement method"):
         run_bench_ep(dev_trace_path, 2, "tp", ["nope"], max_batches=1, layers=1)
+    with pytest.raises(ValueError, match="redundant slots per device exceed"):
+        run_bench_ep(dev_trace_path, 2, "tp", ["semmoe"], redundant=40, max_batches=1, layers=1)
     with pytest.raises(BenchEPError, match="nccl"):
         run_bench_ep(dev_trace_path, 64, "tp", ["vanilla"], backend="nccl", max_batches=1, layers=1)

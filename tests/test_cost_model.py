@@ -7,6 +7,9 @@ import pytest
 
 from vllm_semmoe.cost_model import (DSV2_LITE, HARDWARE, Hardware, MoEShape, cost_table, exchange_seconds,
                                     moe_layer_cost, step_counts)
+from vllm_semmoe.placement import Placement
+
+from shared_fixtures import serving_by_hand
 
 HW = Hardware("test", nodes=1, nvlink_bytes_s=1000.0, network_bytes_s=100.0, nvlink_latency_s=0.5,
               network_latency_s=2.0, peak_flops=1e3, efficiency=0.5, source="unit test")
@@ -45,26 +48,36 @@ def test_layer_cost_charges_the_straggler_rank_and_reports_what_imbalance_costs(
     assert cost["total_us"] == pytest.approx(cost["experts_us"] + 2 * 0.5e6)
 
 
-def test_step_counts_match_a_brute_force_count():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("redundant", [0, 1, 2])
+def test_step_counts_match_a_brute_force_count(redundant):
+    rng = np.random.default_rng(redundant)
     T, L, K, N, E = 40, 3, 2, 8, 4
     experts = np.stack([np.stack([rng.choice(N, K, replace=False) for _ in range(L)]) for _ in range(T)])
     dev = rng.integers(0, E, (T, L))
     e2d = np.stack([rng.permutation(np.repeat(np.arange(E), N // E)) for _ in range(L)])
+    replicas = np.array([[rng.choice(np.nonzero(e2d[l] != d)[0], redundant, replace=False) for d in range(E)]
+                         for l in range(L)]).reshape(L, E, redundant)
+    placement = Placement(e2d, E, replicas=replicas)
+    serving = placement.serving_device(experts, dev)
+    assert np.array_equal(serving, serving_by_hand(placement.expert_device, placement.holds(), experts, dev))
     offsets = np.array([0, 13, 30, 40])
-    rows, acts = step_counts(experts, dev, e2d, offsets, E)
+    rows, acts = step_counts(serving, dev, offsets, E)
     want_rows = np.zeros((3, L, E, E), np.int64)
     want_acts = np.zeros((3, L, E), np.int64)
     for s in range(3):
         for t in range(offsets[s], offsets[s + 1]):
             for l in range(L):
-                ranks = {int(e2d[l, e]) for e in experts[t, l]}
+                ranks = {int(r) for r in serving[t, l]}
                 for r in ranks - {int(dev[t, l])}:
                     want_rows[s, l, dev[t, l], r] += 1
-                for e in experts[t, l]:
-                    want_acts[s, l, e2d[l, e]] += 1
+                for r in serving[t, l]:
+                    want_acts[s, l, r] += 1
     assert np.array_equal(rows, want_rows)
     assert np.array_equal(acts, want_acts)
+    if redundant:  # a copy on the token's rank makes the activation local
+        held = placement.holds()[np.arange(L)[None, :, None], experts, dev[:, :, None]]
+        assert np.array_equal(serving == dev[:, :, None], held)
+        assert held.sum() > (placement.expert_device[np.arange(L)[None, :, None], experts] == dev[:, :, None]).sum()
 
 
 def test_cost_table_ratios_and_errors():

@@ -72,17 +72,19 @@ def test_aggregate_seeds_mean_sd_per_seed():
 def test_replication_raises_lar_and_serves_every_activation_once(split):
     import numpy as np
 
-    from vllm_semmoe.evaluate import _served_load
-
     profile, trace = split
     rows = {R: compare_methods(profile, trace, 8, ["semmoe"], EvalConfig(mode="tp"), redundant=R)["semmoe"]
             for R in (0, 1)}
     assert rows[1]["lar"] > rows[0]["lar"] + 0.01
     assert rows[0]["experts_per_device"] == 8 and rows[1]["experts_per_device"] == 9
     placement = get_policy("semmoe").solve(profile, 8, redundant=1)
-    device = np.zeros((trace.num_tokens, trace.num_layers), np.int64)
-    load = _served_load(trace.experts, device, placement.holds().astype(np.uint8))
-    np.testing.assert_allclose(load.sum(axis=1), trace.num_tokens * trace.top_k)
+    device = np.random.default_rng(0).integers(0, 8, (trace.num_tokens, trace.num_layers))
+    serving = placement.serving_device(trace.experts, device)  # every activation served once, by a holder
+    held = placement.holds()[np.arange(trace.num_layers)[None, :, None], trace.experts.astype(np.int64), serving]
+    assert held.all()
+    assert np.array_equal(serving == device[:, :, None],
+                          placement.holds()[np.arange(trace.num_layers)[None, :, None], trace.experts.astype(np.int64),
+                                            device[:, :, None]])
 
 
 def test_placement_cache_returns_the_same_placement(split, tmp_path):

@@ -189,25 +189,26 @@ def format_cost_table(table: dict, shape: MoEShape) -> str:
     return "\n".join(lines)
 
 
-def step_counts(experts: np.ndarray, token_device: np.ndarray, expert_device: np.ndarray,
-                offsets: np.ndarray, ep_size: int) -> tuple[np.ndarray, np.ndarray]:
+def step_counts(serving: np.ndarray, token_device: np.ndarray, offsets: np.ndarray,
+                ep_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-step dispatch rows and per-rank activations implied by routing and a schedule.
 
     Args:
-        experts: ``[T, L, K]`` logical experts of each scheduled token.
+        serving: ``[T, L, K]`` rank computing each activation of each scheduled token
+            (:meth:`vllm_semmoe.placement.Placement.serving_device`: the expert's home rank, or
+            the token's own rank where it holds a replica).
         token_device: ``[T, L]`` rank each token sits on at each layer.
-        expert_device: ``[L, N]`` rank of each logical expert.
         offsets: ``[S + 1]`` step boundaries into the token axis.
         ep_size: E.
     Returns:
-        ``rows [S, L, E, E]`` (tokens rank ``src`` sends to ``dst``: at least one of its experts
-        there, ``src != dst``) and ``activations [S, L, E]`` (pairs computed on each rank).
+        ``rows [S, L, E, E]`` (tokens rank ``src`` sends to ``dst``: at least one of its
+        activations computed there, ``src != dst``) and ``activations [S, L, E]`` (pairs
+        computed on each rank).
     """
-    experts = np.asarray(experts, dtype=np.int64)
+    ed = np.asarray(serving, dtype=np.int64)
     dev = np.asarray(token_device, dtype=np.int64)
-    T, L, _ = experts.shape
+    T, L, K = ed.shape
     E = int(ep_size)
-    ed = np.asarray(expert_device, dtype=np.int64)[np.arange(L)[None, :, None], experts]  # [T, L, K]
     present = np.zeros((T, L, E), bool)
     np.put_along_axis(present, ed, True, axis=2)
     step = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
@@ -217,7 +218,6 @@ def step_counts(experts: np.ndarray, token_device: np.ndarray, expert_device: np
     np.add.at(rows, (step[t], l, dev[t, l], d), 1)
     rows[:, :, np.arange(E), np.arange(E)] = 0
     activations = np.zeros((S, L, E), np.int64)
-    K = experts.shape[2]
     np.add.at(activations, (np.repeat(step, L * K), np.tile(np.repeat(np.arange(L), K), T), ed.ravel()), 1)
     return rows, activations
 

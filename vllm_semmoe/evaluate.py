@@ -9,8 +9,8 @@ Every figure is counted per (token, layer, expert) activation:
 - ``imbalance``: max/mean tokens per device (TP: per batch and layer, averaged; DP: prompt
   tokens per rank over the whole evaluation); ``expert_imbalance``: max/mean expert activations
   served per device, averaged over layers (with replicas, an activation is served by the copy on
-  the token's device if there is one, else split evenly over the expert's copies, as EPLB
-  spreads tokens over replicas).
+  the token's device if there is one, else by the copy :meth:`.placement.Placement.serving_device`
+  picks, the rule ``bench-ep`` moves tokens by).
 - DP only, the lock-step balance over windows of ``W = 32 × ranks`` consecutive requests
   (:func:`.scheduling.window_imbalance`), with work = prompt tokens + a decode weight
   (:func:`.scheduling.request_work`): ``window_imbalance`` of the method's rank choice, and on
@@ -85,7 +85,8 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
     activations = counts.size // E * trace.top_k
     if placement.redundant:
-        expert_load = _served_load(trace.experts, device, placement.holds().astype(np.uint8))
+        serving = placement.serving_device(trace.experts, device)  # [T, L, K]
+        expert_load = np.stack([np.bincount(serving[:, l].ravel(), minlength=E) for l in range(trace.num_layers)])
     else:
         expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
     out = {
@@ -115,33 +116,6 @@ def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoET
 def _request_devices(trace: RoutingTrace, rank: np.ndarray) -> np.ndarray:
     """``[T, L]``: every token of request ``r`` on ``rank[r]`` at every layer."""
     return np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
-
-
-@numba.njit(cache=True)
-def _served_load(experts, device, holds):
-    """``[L, E]`` activations served per device: by the copy on the token's device if any,
-    else split evenly over the expert's copies. experts ``[T, L, K]``, device ``[T, L]``,
-    holds ``[L, N, E]`` uint8."""
-    T, L, K = experts.shape
-    N, E = holds.shape[1], holds.shape[2]
-    copies = np.zeros((L, N))
-    for l in range(L):
-        for n in range(N):
-            for e in range(E):
-                copies[l, n] += holds[l, n, e]
-    load = np.zeros((L, E))
-    for t in range(T):
-        for l in range(L):
-            d = device[t, l]
-            for k in range(K):
-                n = experts[t, l, k]
-                if holds[l, n, d]:
-                    load[l, d] += 1.0
-                else:
-                    for e in range(E):
-                        if holds[l, n, e]:
-                            load[l, e] += 1.0 / copies[l, n]
-    return load
 
 
 def decode_weight(profile: RoutingTrace | None, config: "EvalConfig") -> float:

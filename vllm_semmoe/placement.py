@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 
@@ -160,6 +161,35 @@ class Placement:
             fill[rows, p2l[:, p]] += 1
         return out
 
+    def serving_device(self, experts: np.ndarray, token_device: np.ndarray) -> np.ndarray:
+        """Which device computes each activation, given where its token is.
+
+        The token's own device where it holds a copy of the expert (home or replica): the
+        activation is local. Otherwise one of the expert's copies (:func:`_serving_kernel`):
+        a copy on a device the token is sent to anyway (for another of its experts), since the
+        dispatch sends a token once per destination device; failing that, the copy at index
+        ``position mod copies`` of the expert's copies in :meth:`logical_to_physical_map`
+        order (home first), as vLLM's EPLB spreads tokens over replicas
+        (``eplb_map_to_physical_and_record``), ``position`` being the activation's flat index
+        ``row * K + slot`` in ``experts``. With ``R = 0`` this is the expert's home device.
+
+        Args:
+            experts: ``[T, L, K]`` logical experts of each token at each layer.
+            token_device: ``[T, L]`` device each token sits on at each layer.
+        Returns:
+            ``[T, L, K]`` int64 device computing each activation.
+        """
+        experts = np.asarray(experts, np.int64)
+        device = np.asarray(token_device, np.int64)
+        if experts.ndim != 3 or device.shape != experts.shape[:2] or experts.shape[1] != self.num_layers:
+            raise ValueError(f"experts must be [T, L={self.num_layers}, K] and token_device [T, L]; "
+                             f"got {experts.shape} and {device.shape}")
+        if not self.redundant:
+            return self.expert_device.astype(np.int64)[np.arange(self.num_layers)[None, :, None], experts]
+        copies = self.logical_to_physical_map()  # [L, N, C] physical slots, home first, -1 padded
+        copy_device = np.where(copies >= 0, copies // self.experts_per_device, -1)
+        return _serving_kernel(experts, device, copy_device, self.replica_count(), self.ep_size)
+
     @classmethod
     def from_physical_to_logical(cls, p2l: np.ndarray, ep_size: int, method: str = "",
                                  num_experts: int | None = None) -> "Placement":
@@ -210,3 +240,49 @@ def _check_replicas(replicas, e2d: np.ndarray, ep_size: int) -> np.ndarray:
             l, d, _ = dup[0]
             raise PlacementError(f"layer {l}: device {d} holds two copies of one replicated expert")
     return rep.astype(np.int16)
+
+
+@numba.njit(cache=True)
+def _serving_kernel(experts, device, copy_device, count, ep_size):
+    """:meth:`Placement.serving_device` with replicas, one (token, layer) at a time.
+
+    experts ``[T, L, K]``, device ``[T, L]``, copy_device ``[L, N, C]`` (devices holding each
+    expert, home first, ``-1`` padded), count ``[L, N]`` copies. Three passes per (token,
+    layer): local copies; experts with a single copy (their home: the token goes there
+    anyway); then each remaining activation, in slot order, to the first of its copies the
+    token already goes to, else to copy ``(t*K + k) mod count``.
+    """
+    T, L, K = experts.shape
+    out = np.empty((T, L, K), np.int64)
+    sent = np.zeros(ep_size, np.bool_)
+    for t in range(T):
+        for l in range(L):
+            d = device[t, l]
+            sent[:] = False
+            pending = 0
+            for k in range(K):
+                e = experts[t, l, k]
+                out[t, l, k] = -1
+                for c in range(count[l, e]):
+                    if copy_device[l, e, c] == d:
+                        out[t, l, k] = d
+                if out[t, l, k] < 0:
+                    if count[l, e] == 1:
+                        out[t, l, k] = copy_device[l, e, 0]
+                        sent[copy_device[l, e, 0]] = True
+                    else:
+                        pending += 1
+            if pending == 0:
+                continue
+            for k in range(K):
+                if out[t, l, k] >= 0:
+                    continue
+                e = experts[t, l, k]
+                for c in range(count[l, e]):
+                    if sent[copy_device[l, e, c]]:
+                        out[t, l, k] = copy_device[l, e, c]
+                        break
+                if out[t, l, k] < 0:
+                    out[t, l, k] = copy_device[l, e, (t * K + k) % count[l, e]]
+                    sent[out[t, l, k]] = True
+    return out

@@ -2,12 +2,17 @@
 
 ``semmoe eval`` *counts* remote activations offline. This module *moves* them: it spawns one
 process per EP rank, gives every rank its ``N/E`` experts of every MoE layer (a small real
-down/up MLP each), places tokens on ranks exactly as :mod:`.evaluate` schedules them, and runs
-each MoE layer as a standard EP layer would:
+down/up MLP each), plus, with ``redundant=R``, copies of the ``R`` experts per layer that the
+placement replicates there (``N/E + R`` expert slots, vLLM EPLB's layout), places tokens on
+ranks exactly as :mod:`.evaluate` schedules them, and runs each MoE layer as a standard EP
+layer would:
 
-1. **dispatch** — every token is sent once to every *remote* rank that holds at least one of
-   its top-k experts (per-destination deduplication, as in DeepEP / vLLM's all2all
-   managers); experts on the token's own rank are computed there without communication. The
+1. **dispatch** — every token is sent once to every *remote* rank that computes at least one
+   of its top-k experts (per-destination deduplication, as in DeepEP / vLLM's all2all
+   managers); experts with a copy on the token's own rank are computed there without
+   communication, and a remote expert with several copies is computed by the copy
+   :meth:`~vllm_semmoe.placement.Placement.serving_device` picks (one on a rank the token goes
+   to anyway, else vLLM EPLB's position-modulo spread). The
    per-destination row counts are exchanged first (``all_to_all_single`` of int64), then the
    routing metadata of the sent rows (expert ids and gate weights), then the hidden rows
    themselves (``all_to_all_single`` with uneven ``input_split_sizes``/``output_split_sizes``);

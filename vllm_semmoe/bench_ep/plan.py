@@ -24,9 +24,14 @@ class BenchPlan:
         token_gid: ``[M]`` index of each of those tokens in the evaluation trace (seeds its
             hidden state and gate weights).
         methods: method names, in run order.
-        expert_device: method → ``[L, N]`` placement.
+        expert_device: method → ``[L, N]`` home rank of every logical expert.
+        holds: method → ``[L, N, E]`` bool, rank ``e`` holds a copy of expert ``n`` (its home
+            experts and, with ``R`` redundant slots, ``R`` replicas per layer).
+        redundant: method → ``R`` redundant slots per rank it was solved with.
         step_rows: method → ``(rows [P], offsets [S+1])``: rows of ``experts`` in batch ``s``.
         step_device: method → ``[P, L]`` int16 rank of each batch row per layer.
+        step_serving: method → ``[P, L, K]`` int16 rank computing each activation of each
+            batch row (:meth:`~vllm_semmoe.placement.Placement.serving_device`).
         eval_tokens, profile_tokens: sizes of the split.
         solve_s: method → seconds to solve its placement.
     """
@@ -37,8 +42,11 @@ class BenchPlan:
     token_gid: np.ndarray
     methods: list
     expert_device: dict = field(default_factory=dict)
+    holds: dict = field(default_factory=dict)
+    redundant: dict = field(default_factory=dict)
     step_rows: dict = field(default_factory=dict)
     step_device: dict = field(default_factory=dict)
+    step_serving: dict = field(default_factory=dict)
     eval_tokens: int = 0
     profile_tokens: int = 0
     solve_s: dict = field(default_factory=dict)
@@ -77,15 +85,18 @@ def _first_layers(trace, layers):
 
 def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None = None,
                   batch_tokens: int = 512, max_batches: int | None = None, profile_frac: float = 0.2,
-                  seed: int = 0, progress=None) -> BenchPlan:
+                  seed: int = 0, redundant: int = 0, progress=None) -> BenchPlan:
     """Solve every method on the profile part of ``trace`` and schedule the rest.
 
     ``trace`` is a path or a :class:`~vllm_semmoe.trace.RoutingTrace`; ``layers`` keeps the
-    first that many MoE layers (before solving). Deterministic for a seed.
+    first that many MoE layers (before solving). ``redundant``: replica slots per rank ``R``
+    for the methods that replicate (``semmoe``; the others keep ``R = 0``, as in
+    :func:`~vllm_semmoe.evaluate.compare_methods`). Deterministic for a seed.
     """
     from .. import evaluate as ev
     from ..policy import get_policy
-    from ..tables import build_tables, device_counts
+    from ..policy.base import check_redundant
+    from ..tables import build_tables, placement_device_counts
 
     if mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
@@ -101,9 +112,10 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     full = _first_layers(_as_trace(trace), layers)
     if full.num_experts % ranks:
         raise ValueError(f"{full.num_experts} experts cannot be split evenly over {ranks} ranks")
+    check_redundant(redundant, full.num_experts, ranks)
     profile, rest = full.split(profile_frac, seed)
     E = ranks
-    plan_rows, plan_dev, e2d, solve_s = {}, {}, {}, {}
+    plan_rows, plan_dev, placements, solve_s = {}, {}, {}, {}
     if mode == "tp":
         n_tok = rest.num_tokens if max_batches is None else min(rest.num_tokens, max_batches * batch_tokens)
         n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))  # requests covering n_tok tokens
@@ -114,12 +126,13 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         if progress:
             progress(i, len(methods), f"solving {name}")
         start = time.perf_counter()
-        placement = get_policy(name).solve(profile, ranks, mode=mode, seed=seed)
+        policy = get_policy(name)
+        R = redundant if policy.supports_redundant else 0
+        placements[name] = placement = policy.solve(profile, ranks, mode=mode, seed=seed, redundant=R)
         solve_s[name] = time.perf_counter() - start
         tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
-        e2d[name] = placement.expert_device.astype(np.int16)
         if mode == "tp":
-            counts = device_counts(sub.experts, placement.expert_device, E)
+            counts = placement_device_counts(sub.experts, placement)
             device, _ = ev._tp_devices(sub, counts, tables, E, ev.EvalConfig(mode="tp", batch_tokens=batch_tokens))
             plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
             plan_dev[name] = device[:n_tok].astype(np.int16)
@@ -131,12 +144,17 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
     source = rest if mode == "dp" else sub
     plan = BenchPlan(mode=mode, ranks=ranks, experts=np.ascontiguousarray(source.experts[used]).astype(np.int16),
-                     token_gid=used, methods=methods, expert_device=e2d, solve_s=solve_s,
+                     token_gid=used, methods=methods, solve_s=solve_s,
                      eval_tokens=rest.num_tokens, profile_tokens=profile.num_tokens)
     for m in methods:
         rows, off = plan_rows[m]
+        placement = placements[m]
+        plan.expert_device[m] = placement.expert_device.astype(np.int16)
+        plan.holds[m] = placement.holds()
+        plan.redundant[m] = placement.redundant
         plan.step_rows[m] = (np.searchsorted(used, rows).astype(np.int64), off)
         plan.step_device[m] = np.ascontiguousarray(plan_dev[m])
+        plan.step_serving[m] = placement.serving_device(source.experts[rows], plan_dev[m]).astype(np.int16)
     return plan
 
 
@@ -171,11 +189,9 @@ def analytic_counts(plan: BenchPlan, method: str) -> dict:
     (token-batches, counted once per batch). Counted by :func:`.cost_model.step_counts`.
     """
     rows_idx, offsets = plan.step_rows[method]
-    ex = plan.experts[rows_idx]  # [P, L, K]
     dev = plan.step_device[method]  # [P, L]
-    rows, activations = step_counts(ex, dev, plan.expert_device[method], offsets, plan.ranks)
-    L = plan.num_layers
-    ed = plan.expert_device[method].astype(np.int64)[np.arange(L)[None, :, None], ex.astype(np.int64)]
+    ed = plan.step_serving[method].astype(np.int64)  # [P, L, K]
+    rows, activations = step_counts(ed, dev, offsets, plan.ranks)
     return {
         "rows": rows.sum(axis=0),
         "step_rows": rows,

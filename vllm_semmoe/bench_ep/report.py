@@ -75,6 +75,8 @@ def _aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
             "analytic_match": matches,
             "check_max_rel_err": check,
             "solve_s": round(plan.solve_s[m], 3),
+            "redundant": plan.redundant[m],
+            "experts_per_rank": int(plan.holds[m].shape[1] // E + plan.redundant[m]),
         }
     base = out["methods"].get("vanilla")
     if base:
@@ -93,7 +95,7 @@ def format_bench_ep(result: dict) -> str:
     head = (f"bench-ep: mode {result['mode']}, {result['ranks']} ranks ({result['backend']}), "
             f"hidden {result['hidden']} {result.get('dtype', '')}, {result['layers']} layers, "
             f"{result['batches']} batches of {result.get('batch_tokens', '?')} tokens")
-    cols = [("method", "<12"), ("dispatch_MB", ">12"), ("combine_MB", ">11"), ("total_MB", ">10"),
+    cols = [("method", "<12"), ("experts/rank", ">13"), ("dispatch_MB", ">12"), ("combine_MB", ">11"), ("total_MB", ">10"),
             ("KB/token", ">9"), ("bytes_x", ">8"), ("remote_pairs", ">13"), ("lar", ">7"),
             ("act_x", ">7"), ("layer_ms", ">9"), ("time_x", ">7"), ("disp/exp/comb ms", ">19")]
     lines = [head, "".join(f"{name:{fmt}}" for name, fmt in cols)]
@@ -103,12 +105,14 @@ def format_bench_ep(result: dict) -> str:
 
     for m, row in result["methods"].items():
         phases = f"{row['dispatch_ms']:.1f}/{row['expert_ms']:.1f}/{row['combine_ms']:.1f}"
-        cells = [m, f"{row['dispatch_bytes'] / 1e6:.1f}", f"{row['combine_bytes'] / 1e6:.1f}",
+        slots = f"{row['experts_per_rank']}" + (f" (R={row['redundant']})" if row["redundant"] else "")
+        cells = [m, slots, f"{row['dispatch_bytes'] / 1e6:.1f}", f"{row['combine_bytes'] / 1e6:.1f}",
                  f"{row['total_bytes'] / 1e6:.1f}", f"{row['bytes_per_token'] / 1e3:.1f}",
                  ratio(row["bytes_ratio_vs_vanilla"]), f"{row['remote_pairs']}", f"{row['lar']:.4f}",
                  ratio(row["activation_ratio_vs_vanilla"]), f"{row['layer_ms']:.2f}",
                  ratio(row["time_ratio_vs_vanilla"]), phases]
         lines.append("".join(f"{c:{fmt}}" for c, (_, fmt) in zip(cells, cols)))
+    lines.append("experts/rank: expert slots each rank holds per layer (N/E + R replica slots; expert memory).")
     lines.append("bytes_x: all-to-all bytes (dispatch+combine, deduplicated per destination rank) vs vanilla; "
                  "act_x: remote (token, expert) activations vs vanilla; time_x: layer_ms vs vanilla.")
     lines.append("checks: bytes sent == received, == analytic count from the routing; output == reference "

@@ -22,7 +22,7 @@ def _default_backend(ranks: int) -> str:
 def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, hidden: int = 2048,
                  expert_dim: int = 64, layers: int | None = None, batch_tokens: int = 512,
                  max_batches: int | None = None, profile_frac: float = 0.2, seed: int = 0,
-                 backend: str | None = None, dtype: str = "bfloat16", timeout_s: float = 900.0,
+                 redundant: int = 0, backend: str | None = None, dtype: str = "bfloat16", timeout_s: float = 900.0,
                  progress=None) -> dict:
     """Run the EP MoE-layer benchmark for every method side by side; see the module docstring.
 
@@ -34,8 +34,12 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         hidden: hidden size of the rows moved; expert_dim: inner size of each expert's MLP.
         layers: benchmark the first ``layers`` MoE layers (default all).
         batch_tokens: tokens per batch over all ranks; max_batches: stop after that many.
+        redundant: replica slots per rank ``R`` for the methods that replicate (``semmoe``):
+            each rank then holds ``N/E + R`` experts per layer, and an activation whose expert
+            has a copy on the token's rank is computed there, without communication.
         backend: ``gloo`` / ``nccl`` (default: nccl with one GPU per rank, else gloo).
-        dtype: dtype of hidden states on the wire and of the expert weights.
+        dtype: dtype of hidden states on the wire and, on GPUs, of the expert weights and
+            GEMMs (on CPUs those run in float32: many CPUs have no fast bfloat16 GEMM).
         timeout_s: collective timeout of the process group.
         progress: ``progress(done, total, message)`` or ``None``.
     Returns:
@@ -57,6 +61,8 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         - ``dispatch_matrix[src][dst]`` / ``combine_matrix`` bytes as counted by the sender,
           ``*_recv_matrix`` as counted by the receiver, ``bytes_per_layer``,
           ``metadata_bytes`` (count exchange + routing metadata, not in the headline);
+        - ``redundant`` (R the method was solved with), ``experts_per_rank`` (``N/E + R``
+          expert slots each rank holds per layer: its expert memory);
         - ``tokens``, ``batches``, ``solve_s``, and the self-checks ``conservation_ok``,
           ``analytic_match``, ``check_max_rel_err`` (a failed check raises
           :class:`BenchEPError`).
@@ -81,7 +87,8 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
     trace = _as_trace(trace_path)  # TraceError ("trace file not found: ...") before anything starts
     started = time.perf_counter()
     plan = plan_bench_ep(trace, ranks, mode, methods, layers=layers, batch_tokens=batch_tokens,
-                         max_batches=max_batches, profile_frac=profile_frac, seed=seed, progress=progress)
+                         max_batches=max_batches, profile_frac=profile_frac, seed=seed, redundant=redundant,
+                         progress=progress)
     cfg = {
         "methods": plan.methods, "hidden": int(hidden), "expert_dim": int(expert_dim), "seed": int(seed),
         "backend": backend, "dtype": dtype, "timeout_s": float(timeout_s),
@@ -90,9 +97,10 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
     with tempfile.TemporaryDirectory(prefix="semmoe-bench-ep-") as workdir:
         arrays = {"experts": plan.experts, "token_gid": plan.token_gid}
         for i, m in enumerate(plan.methods):
-            arrays[f"e2d_{i}"] = plan.expert_device[m]
+            arrays[f"holds_{i}"] = plan.holds[m]
             arrays[f"rows_{i}"], arrays[f"off_{i}"] = plan.step_rows[m]
             arrays[f"dev_{i}"] = plan.step_device[m]
+            arrays[f"serve_{i}"] = plan.step_serving[m]
         np.savez(os.path.join(workdir, "plan.npz"), **arrays)
         ctx = tmp.get_context("spawn")
         queue = ctx.SimpleQueue()

@@ -57,7 +57,10 @@ class _Rank:
         import torch
 
         self.rank, self.world, self.cfg, self.device = rank, world, cfg, device
-        self.dtype = getattr(torch, cfg["dtype"])
+        self.dtype = getattr(torch, cfg["dtype"])  # rows on the wire
+        # experts compute in dtype on GPUs; on CPUs in float32: many have no fast bfloat16 GEMM
+        # (30x slower than float32 on this project's x86 VMs), which would swamp the exchange
+        self.compute_dtype = self.dtype if device.type == "cuda" else torch.float32
         self.hidden, self.expert_dim, self.seed = cfg["hidden"], cfg["expert_dim"], cfg["seed"]
         g = torch.Generator().manual_seed(self.seed * 7919 + 17)
         self.pool = torch.randn(POOL_ROWS, self.hidden, generator=g).to(device=device, dtype=self.dtype)
@@ -83,7 +86,7 @@ class _Rank:
         key = (layer, int(expert))
         if key not in self.weights:
             self.weights[key] = _expert_weights(layer, int(expert), self.hidden, self.expert_dim, self.seed,
-                                                self.dtype, self.device)
+                                                self.compute_dtype, self.device)
         return self.weights[key]
 
     def sync(self):
@@ -100,15 +103,18 @@ class _Rank:
         else:
             dist.barrier()
 
-    def layer(self, gid, ex, e2d_l, layer):
-        """One EP MoE layer for this rank's tokens. Returns (output fp32 [n, H], counts, times)."""
+    def layer(self, gid, ex, ed, held_l, layer):
+        """One EP MoE layer for this rank's tokens.
+
+        ex: ``[n, K]`` their experts; ed: ``[n, K]`` the rank computing each activation;
+        held_l: ``[N, E]`` bool, which rank holds a copy of which expert at this layer.
+        Returns (output fp32 [n, H], counts, times)."""
         import torch
 
         from ..ep_exchange import EpExchange, send_plan
 
         E, r, dev = self.world, self.rank, self.device
         n, K = ex.shape
-        ed = e2d_l[ex]  # [n, K] rank holding each chosen expert
         g = self.gate(gid, layer, K)
         # ---- plan (routing bookkeeping, outside the timed region) ----
         send_idx_t, counts_t = send_plan(torch.from_numpy(ed).to(dev), r, E)
@@ -119,7 +125,7 @@ class _Rank:
         meta = np.concatenate([np.where(on_dst, ex[send_idx], -1), np.where(on_dst, g[send_idx], 0.0)],
                               axis=1).astype(np.float32)
         local = ed == r
-        my_experts = np.nonzero(e2d_l == r)[0]
+        my_experts = np.nonzero(held_l[:, r])[0]  # home experts and replicas
         weights = [self.expert(layer, e) for e in my_experts]
         x = self.inputs(gid, layer)
         meta_t = torch.from_numpy(meta).to(dev)
@@ -148,7 +154,7 @@ class _Rank:
         order = pos[torch.argsort(flat[pos], stable=True)]  # (row, slot) pairs grouped by expert
         bounds = torch.searchsorted(flat[order], my_experts_t, right=True).tolist()
         rows = order // K
-        xa = xs.index_select(0, rows)
+        xa = xs.index_select(0, rows).to(self.compute_dtype)
         ys, a = [], 0
         for b, (w1, w2) in zip(bounds, weights):
             if b > a:
@@ -223,7 +229,7 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
         rows, off, dev = plan[f"rows_{i}"], plan[f"off_{i}"], plan[f"dev_{i}"]
         sel = np.arange(off[s], off[s + 1])
         sel = sel[dev[sel, layer] == rank]
-        return token_gid[rows[sel]], experts[rows[sel], layer]
+        return token_gid[rows[sel]], experts[rows[sel], layer], plan[f"serve_{i}"][sel, layer].astype(np.int64)
 
     # correctness check on the first batch (also warms up connections and allocators); not counted
     check_layers = sorted({0, L - 1})
@@ -231,14 +237,14 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
         if steps[m] == 0:
             continue
         for layer in check_layers:
-            gid, ex = mine(i, 0, layer)
-            out, _, _ = me.layer(gid, ex, plan[f"e2d_{i}"][layer].astype(np.int64), layer)
+            gid, ex, ed = mine(i, 0, layer)
+            out, _, _ = me.layer(gid, ex, ed, plan[f"holds_{i}"][layer], layer)
             if len(gid):
                 ref = me.reference(gid, ex, layer)
                 err = (torch.linalg.vector_norm(out - ref, dim=1) / torch.linalg.vector_norm(ref, dim=1).clamp_min(1e-12))
                 res[f"check_{i}"][0] = max(res[f"check_{i}"][0], float(err.max()))
-    e2d = [plan[f"e2d_{i}"].astype(np.int64) for i in range(len(methods))]
-    held = {(layer, int(e)) for d in e2d for layer in range(L) for e in np.nonzero(d[layer] == rank)[0]}
+    holds = [plan[f"holds_{i}"] for i in range(len(methods))]
+    held = {(layer, int(e)) for h in holds for layer in range(L) for e in np.nonzero(h[layer, :, rank])[0]}
     me.weights = {k: v for k, v in me.weights.items() if k in held}  # drop the reference's other experts
     start = time.perf_counter()
     for s in range(total_steps):
@@ -246,8 +252,8 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
             for i, m in enumerate(methods):
                 if s >= steps[m]:
                     continue
-                gid, ex = mine(i, s, layer)
-                _, c, t = me.layer(gid, ex, e2d[i][layer], layer)
+                gid, ex, ed = mine(i, s, layer)
+                _, c, t = me.layer(gid, ex, ed, holds[i][layer], layer)
                 for key in ("disp_sent", "disp_recv", "comb_sent", "comb_recv"):
                     res[f"{key}_{i}"][layer] += c[key]
                 res[f"stats_{i}"] += (c["local"], c["activations"], c["remote_pairs"], 0, c["meta_bytes"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench_ep.plan import DEFAULT_METHODS
-from .output import Progress, write_json
+from .output import Progress, add_redundant_argument, write_json
 
 
 def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--layers", type=int, default=None, help="benchmark the first N MoE layers (default all)")
     parser.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split")
     parser.add_argument("--seed", type=int, default=0, help="split and solver seed")
+    add_redundant_argument(parser)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl with a GPU per rank, else gloo")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
@@ -40,6 +41,7 @@ def cmd_bench_ep(args) -> int:
         result = run_bench_ep(args.trace, args.ranks, args.mode, methods, hidden=args.hidden,
                               expert_dim=args.expert_dim, layers=args.layers, batch_tokens=args.batch_tokens,
                               max_batches=args.max_batches, profile_frac=args.profile_frac, seed=args.seed,
+                              redundant=args.redundant,
                               backend=args.backend, dtype=args.dtype, progress=Progress("bench-ep"))
     except (TraceError, ValueError, BenchEPError) as exc:
         raise SystemExit(f"semmoe bench-ep: {exc}") from None

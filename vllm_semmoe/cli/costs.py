@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from .offline import DEFAULT_TRACE_HINT, method_list, method_names
-from .output import Progress, add_json_argument, write_json
+from .output import Progress, add_json_argument, add_redundant_argument, write_json
 
 
 def cmd_cost(args) -> int:
@@ -26,7 +26,8 @@ def cmd_cost(args) -> int:
     start = time.perf_counter()
     plan = plan_bench_ep(args.trace, args.ep, args.mode, args.method, layers=args.layers,
                          batch_tokens=args.batch_tokens, max_batches=args.max_batches,
-                         profile_frac=args.profile_frac, seed=args.seed, progress=Progress())
+                         profile_frac=args.profile_frac, seed=args.seed, redundant=args.redundant,
+                         progress=Progress())
     counts = {m: analytic_counts(plan, m) for m in plan.methods}
     table = cost_table(counts, shape, hardware)
     print(f"cost model: EP {args.ep}, {args.mode.upper()} mode, {plan.num_layers} MoE layers, "
@@ -35,12 +36,14 @@ def cmd_cost(args) -> int:
     if args.json:
         write_json(args.json, {
             "mode": args.mode, "ep": args.ep, "seed": args.seed, "batch_tokens": args.batch_tokens,
+            "redundant": args.redundant,
             "layers": plan.num_layers, "shape": {"hidden": shape.hidden,
                                                  "expert_intermediate": shape.expert_intermediate},
             "hardware": {h: vars(HARDWARE[h]) for h in hardware},
             "methods": {m: {"lar": c["local"] / max(c["activations"], 1),
                             "dispatch_rows_per_token": float(c["rows"].sum() / max(c["tokens"], 1)),
-                            "solve_s": round(plan.solve_s[m], 3)} for m, c in counts.items()},
+                            "redundant": plan.redundant[m], "solve_s": round(plan.solve_s[m], 3)}
+                        for m, c in counts.items()},
             "cost": table, "wall_s": round(time.perf_counter() - start, 1),
         })
     return 0
@@ -68,5 +71,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep the first N MoE layers (default all)")
     p.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed (default 0)")
+    add_redundant_argument(p)
     add_json_argument(p, "the modelled times")
     p.set_defaults(func=cmd_cost)

@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from .output import Progress, add_json_argument, cell, write_json
+from .output import Progress, add_json_argument, add_redundant_argument, cell, write_json
 
 DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
 COLUMNS = ("lar", "lar_token", "oracle_lar", "lar_with_semmoe_sched", "a2a_ratio", "imbalance",
@@ -308,9 +308,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--profile-frac", type=float, default=None,
                    help="profile only on this seeded fraction of the requests (default: all)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed")
-    p.add_argument("--redundant", type=int, default=0, metavar="R",
-                   help="replica slots per device for locality (semmoe only; vLLM EPLB layout, "
-                        "num_redundant_experts = EP x R; default 0)")
+    add_redundant_argument(p)
     p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
                         "input-embedding space (the paper's rule; default: the layer prior)")
@@ -330,8 +328,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
                    help="evaluate on every seed's split and report each figure as mean ± sd "
                         "(JSON: {'mean', 'sd', 'per_seed'}); e.g. 0,1,2,3,4")
-    p.add_argument("--redundant", type=int, default=0, metavar="R",
-                   help="replica slots per device for methods that replicate (semmoe; default 0)")
+    add_redundant_argument(p)
     p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
                         "input-embedding space (the paper's rule; default: the layer prior)")

@@ -32,6 +32,13 @@ def add_json_argument(parser, what: str = "the figures") -> None:
     parser.add_argument("--json", help=f"also write {what} as JSON to this path ('-' = stdout)")
 
 
+def add_redundant_argument(parser) -> None:
+    """Declare ``--redundant R`` (replica slots per device) on a sub-command's parser."""
+    parser.add_argument("--redundant", type=int, default=0, metavar="R",
+                        help="replica slots per device for locality, for the methods that replicate (semmoe); "
+                             "vLLM EPLB's layout, num_redundant_experts = EP x R (default 0)")
+
+
 def _jsonable(value):
     """``json.dump`` fallback: NumPy scalars/arrays and paths as plain values."""
     import numpy as np
