@@ -32,6 +32,7 @@ import numba
 import numpy as np
 
 from . import scheduling
+from .modes import ServingMode, serving_mode
 from .placement import Placement
 from .policy import get_policy
 from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
@@ -45,7 +46,7 @@ DEFAULT_DP_PRICE_STEP = scheduling.DEFAULT_DP_PRICE_STEP  # and :attr:`EvalConfi
 class EvalConfig:
     """How the online side is simulated."""
 
-    mode: str = "tp"  # "tp" or "dp"
+    mode: str = ServingMode.TP  # a serving mode, "tp" or "dp" (:mod:`.modes`)
     batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
     # 0 = one batch per request of the trace (a live capture in engine-step order)
     dp_window: int | None = None  # DP: requests in a balance window; None = 32 × ranks
@@ -68,12 +69,11 @@ class EvalConfig:
 def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
              config: EvalConfig) -> dict:
     """Metrics of ``placement`` on ``trace``, scheduled with ``tables`` (or the default)."""
-    if config.mode not in ("tp", "dp"):
-        raise ValueError(f"mode must be 'tp' or 'dp', got {config.mode!r}")
+    mode = serving_mode(config.mode)
     E = placement.ep_size
     counts = placement_device_counts(trace.experts, placement)  # [T, L, E]
     extra = {}
-    if config.mode == "tp":
+    if mode == ServingMode.TP:
         device, imbalance = _tp_devices(trace, counts, tables, E, config)
         oracle = counts.max(axis=2).sum()
     else:
@@ -98,7 +98,7 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
         "lar_per_layer": (local.sum(axis=0) / (trace.num_tokens * trace.top_k)).tolist(),  # [L]
         **extra,
     }
-    if config.mode == "dp":
+    if config.mode == ServingMode.DP:
         out["rank_load_curve"] = rank_load_curve(rank, np.diff(trace.offsets), E)
     return out
 
@@ -107,7 +107,7 @@ def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoET
                       config: EvalConfig) -> np.ndarray:
     """``[T, L]`` int64 device each token is processed on at each layer under ``config``'s
     data scheduling (Sem-MoE's with ``tables``, else the engines' default)."""
-    if config.mode == "tp":
+    if config.mode == ServingMode.TP:
         counts = placement_device_counts(trace.experts, placement)
         return _tp_devices(trace, counts, tables, placement.ep_size, config)[0]
     return _request_devices(trace, _dp_ranks(trace, tables, placement.ep_size, config)[0])

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import __version__
 from .affinity import token_expert_counts
+from .modes import MODES, ServingMode, serving_mode
 from .placement import Placement, PlacementError
 from .trace import RoutingTrace
 
@@ -261,7 +262,6 @@ _MANIFEST_FIELDS = {"format": str, "method": str, "mode": str, "ep_size": int, "
 _ARRAY_FIELDS = ("expert_device", "t2d_tokens", "t2d_score", "markov", "oov_score")
 _OPTIONAL_ARRAYS = ("replicas", "oov_rows", "transition", "expert_prior")  # /2: replication,
 # nearest-neighbour rows; /3: the X table
-MODES = ("tp", "dp")
 
 
 def _read_manifest(directory: str) -> dict:
@@ -315,7 +315,7 @@ def _read_arrays(directory: str) -> dict:
         raise TablesError(f"{path}: damaged or truncated ({type(exc).__name__}: {exc}); {_RESOLVE}") from None
 
 
-def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp",
+def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = ServingMode.TP,
                  alpha: float = 1.0, embedding: np.ndarray | None = None) -> SemMoETables:
     """Derive T2D, A and the OOV default from a profile trace and a placement.
 
@@ -327,6 +327,7 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
             profiled takes the T2D row of its nearest profiled neighbour (the paper's rule,
             :func:`nearest_profiled_rows`) instead of the layer prior.
     """
+    mode = serving_mode(mode)
     if placement.num_layers != profile.num_layers or placement.num_experts != profile.num_experts:
         raise TablesError(
             f"placement is for {placement.num_layers}x{placement.num_experts} experts, "
@@ -342,7 +343,7 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = "tp
     per_device = np.einsum("ljn,lne->lje", counts, holds)
     occurrences = counts[0].sum(axis=1) / K  # [J]
     t2d = (per_device / K + alpha * prior[:, None, :]) / (occurrences[None, :, None] + alpha)
-    if mode == "dp":
+    if mode == ServingMode.DP:
         # a DP request's rank is its summed T2D votes (scheduling.request_votes): weight each
         # token's vote by its informativeness, the inverse document frequency over profiled
         # requests, so that the function words every prompt shares do not drown the topical ones

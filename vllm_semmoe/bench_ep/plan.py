@@ -94,12 +94,12 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     :func:`~vllm_semmoe.evaluate.compare_methods`). Deterministic for a seed.
     """
     from .. import evaluate as ev
+    from ..modes import ServingMode, serving_mode
     from ..policy import get_policy
     from ..policy.base import check_redundant
     from ..tables import build_tables, placement_device_counts
 
-    if mode not in ("tp", "dp"):
-        raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    mode = serving_mode(mode)
     methods = list(methods)
     if not methods:
         raise ValueError("no methods given")
@@ -116,7 +116,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     profile, rest = full.split(profile_frac, seed)
     E = ranks
     plan_rows, plan_dev, placements, solve_s = {}, {}, {}, {}
-    if mode == "tp":
+    if mode == ServingMode.TP:
         n_tok = rest.num_tokens if max_batches is None else min(rest.num_tokens, max_batches * batch_tokens)
         n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))  # requests covering n_tok tokens
         sub = rest.select_requests(np.arange(max(n_req, 1)))
@@ -131,18 +131,18 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         placements[name] = placement = policy.solve(profile, ranks, mode=mode, seed=seed, redundant=R)
         solve_s[name] = time.perf_counter() - start
         tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
-        if mode == "tp":
+        if mode == ServingMode.TP:
             counts = placement_device_counts(sub.experts, placement)
-            device, _ = ev._tp_devices(sub, counts, tables, E, ev.EvalConfig(mode="tp", batch_tokens=batch_tokens))
+            device, _ = ev._tp_devices(sub, counts, tables, E, ev.EvalConfig(mode=mode, batch_tokens=batch_tokens))
             plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
             plan_dev[name] = device[:n_tok].astype(np.int16)
         else:
-            rank, _ = ev._dp_ranks(rest, tables, E, ev.EvalConfig(mode="dp", batch_tokens=batch_tokens))
+            rank, _ = ev._dp_ranks(rest, tables, E, ev.EvalConfig(mode=mode, batch_tokens=batch_tokens))
             plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches)
     if progress:
         progress(len(methods), len(methods), "solving")
     used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
-    source = rest if mode == "dp" else sub
+    source = rest if mode == ServingMode.DP else sub
     plan = BenchPlan(mode=mode, ranks=ranks, experts=np.ascontiguousarray(source.experts[used]).astype(np.int16),
                      token_gid=used, methods=methods, solve_s=solve_s,
                      eval_tokens=rest.num_tokens, profile_tokens=profile.num_tokens)

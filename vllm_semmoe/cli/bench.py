@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench_ep.plan import DEFAULT_METHODS
+from ..modes import MODES
 from .output import Progress, add_redundant_argument, write_json
 
 
@@ -12,7 +13,7 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """The options of ``semmoe bench-ep``."""
     parser.add_argument("--trace", required=True, help="routing trace .npz (e.g. ../shared/data/routing/dsv2lite_puffin-dev.npz)")
     parser.add_argument("--ranks", type=int, default=8, help="EP size = processes spawned (default 8)")
-    parser.add_argument("--mode", choices=("tp", "dp"), default="tp", help="serving mode replayed")
+    parser.add_argument("--mode", choices=MODES, default="tp", help="serving mode replayed")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated placement methods (default vanilla,eplb,semmoe)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the rows moved (default 2048)")

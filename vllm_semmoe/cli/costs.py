@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from ..modes import MODES
 from .offline import DEFAULT_TRACE_HINT, method_list, method_names
 from .output import Progress, add_json_argument, add_redundant_argument, write_json
 
@@ -57,7 +58,7 @@ def add_parsers(sub) -> None:
                        description=__doc__)
     p.add_argument("--trace", required=True, help=f"routing trace .npz (e.g. {DEFAULT_TRACE_HINT})")
     p.add_argument("--ep", type=int, default=8, help="expert-parallel size (default 8)")
-    p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode (default tp)")
+    p.add_argument("--mode", default="tp", choices=MODES, help="serving mode (default tp)")
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(method_names())} (default all)")
     p.add_argument("--hardware", default="all",

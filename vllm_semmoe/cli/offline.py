@@ -7,6 +7,7 @@ import argparse
 import os
 import time
 
+from ..modes import MODES, ServingMode
 from .output import Progress, add_json_argument, add_redundant_argument, cell, write_json
 
 DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
@@ -188,7 +189,7 @@ def cmd_eval(args) -> int:
             curve_per_seed.append(_dp_curve(profile, trace, args, config, seed))
     rows = aggregate_seeds(per_seed) if args.seeds else per_seed[0]
     print(format_eval_table(rows, args, *split))
-    if args.mode == "dp":
+    if args.mode == ServingMode.DP:
         print(format_dp_table(rows))
     curve = None
     if args.dp_balance_curve:
@@ -304,7 +305,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--trace", required=True, help="profiling routing trace .npz")
     p.add_argument("--ep", type=int, required=True, help="expert-parallel size E")
     p.add_argument("--method", default="semmoe", choices=methods, help="placement method")
-    p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode the tables are for")
+    p.add_argument("--mode", default="tp", choices=MODES, help="serving mode the tables are for")
     p.add_argument("--profile-frac", type=float, default=None,
                    help="profile only on this seeded fraction of the requests (default: all)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed")
@@ -333,7 +334,7 @@ def add_parsers(sub) -> None:
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
                         "input-embedding space (the paper's rule; default: the layer prior)")
     p.add_argument("--ep", type=int, default=8, help="expert-parallel size E")
-    p.add_argument("--mode", default="tp", choices=("tp", "dp"), help="serving mode simulated")
+    p.add_argument("--mode", default="tp", choices=MODES, help="serving mode simulated")
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(methods)}")
     p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")

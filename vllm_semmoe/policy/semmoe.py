@@ -39,6 +39,7 @@ import numba
 import numpy as np
 
 from ..affinity import token_expert_counts
+from ..modes import ServingMode, serving_mode
 from ..placement import Placement
 from ..trace import RoutingTrace
 from .base import PlacementPolicy, Progress, check_redundant
@@ -258,12 +259,11 @@ class SemMoEPolicy(PlacementPolicy):
         self.load_slack, self.load_price = load_slack, load_price
 
     def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
-        if mode not in ("tp", "dp"):
-            raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+        mode = serving_mode(mode)
         check_redundant(redundant, profile.num_experts, ep_size)
         rng = np.random.default_rng(seed)
         L = profile.num_layers
-        if mode == "dp":
+        if mode == ServingMode.DP:
             counts = request_expert_counts(profile)
             e2d, _, _ = cocluster(counts, np.diff(profile.offsets), ep_size, eps=self.eps,
                                   iters=self.iters, restarts=self.restarts, rng=rng,

@@ -8,9 +8,11 @@ import sys
 from dataclasses import dataclass
 
 from .. import scheduling
+from ..modes import MODES as SERVING_MODES
 from ..tables import SemMoETables, TablesError, load_tables
 
-MODES = ("placement-only", "tp", "dp")
+#: ``placement-only`` (apply the placement, no data scheduling) or a serving mode
+MODES = ("placement-only", *SERVING_MODES)
 #: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
 #: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
 DISPATCHES = ("vllm", "sparse")
