@@ -5,21 +5,28 @@
 - ``dp`` (Attention-DP): a request lives on one data-parallel rank for all layers; Sem-MoE picks
   that rank. The data unit is the request.
 
-:class:`ServingMode` is a ``StrEnum``: its members are the strings ``"tp"`` / ``"dp"`` (so they
-compare, print and serialise as those), and :func:`serving_mode` turns user input into one with
+:class:`ServingMode` is a ``str`` enum: its members are the strings ``"tp"`` / ``"dp"`` (so they
+compare, print and serialise as those; ``enum.StrEnum`` would do the same but needs Python 3.11,
+and the package supports 3.10), and :func:`serving_mode` turns user input into one with
 an error that names the valid modes.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum
 
 
-class ServingMode(StrEnum):
+class ServingMode(str, Enum):
     """How attention is parallelised, which decides what Sem-MoE schedules (module docstring)."""
 
     TP = "tp"
     DP = "dp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 #: the modes' names, for argument choices and messages
