@@ -24,10 +24,9 @@ class BenchPlan:
         token_gid: ``[M]`` index of each of those tokens in the evaluation trace (seeds its
             hidden state and gate weights).
         methods: method names, in run order.
-        expert_device: method → ``[L, N]`` home rank of every logical expert.
-        holds: method → ``[L, N, E]`` bool, rank ``e`` holds a copy of expert ``n`` (its home
-            experts and, with ``R`` redundant slots, ``R`` replicas per layer).
-        redundant: method → ``R`` redundant slots per rank it was solved with.
+        placements: method → its solved :class:`~vllm_semmoe.placement.Placement` (home ranks
+            and, with ``R`` redundant slots, ``R`` replicas per rank and layer);
+            :attr:`expert_device`, :attr:`holds` and :attr:`redundant` read from it.
         step_rows: method → ``(rows [P], offsets [S+1])``: rows of ``experts`` in batch ``s``.
         step_device: method → ``[P, L]`` int16 rank of each batch row per layer.
         step_serving: method → ``[P, L, K]`` int16 rank computing each activation of each
@@ -41,9 +40,7 @@ class BenchPlan:
     experts: np.ndarray
     token_gid: np.ndarray
     methods: list
-    expert_device: dict = field(default_factory=dict)
-    holds: dict = field(default_factory=dict)
-    redundant: dict = field(default_factory=dict)
+    placements: dict = field(default_factory=dict)
     step_rows: dict = field(default_factory=dict)
     step_device: dict = field(default_factory=dict)
     step_serving: dict = field(default_factory=dict)
@@ -58,6 +55,21 @@ class BenchPlan:
     @property
     def top_k(self) -> int:
         return self.experts.shape[2]
+
+    @property
+    def expert_device(self) -> dict:
+        """method → ``[L, N]`` int16 home rank of every logical expert."""
+        return {m: p.expert_device for m, p in self.placements.items()}
+
+    @property
+    def holds(self) -> dict:
+        """method → ``[L, N, E]`` bool: rank ``e`` holds a copy (home or replica) of expert ``n``."""
+        return {m: p.holds() for m, p in self.placements.items()}
+
+    @property
+    def redundant(self) -> dict:
+        """method → ``R``, redundant slots per rank it was solved with."""
+        return {m: p.redundant for m, p in self.placements.items()}
 
     def num_steps(self, method: str) -> int:
         return len(self.step_rows[method][1]) - 1
@@ -144,17 +156,13 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
     source = rest if mode == ServingMode.DP else sub
     plan = BenchPlan(mode=mode, ranks=ranks, experts=np.ascontiguousarray(source.experts[used]).astype(np.int16),
-                     token_gid=used, methods=methods, solve_s=solve_s,
+                     token_gid=used, methods=methods, placements=placements, solve_s=solve_s,
                      eval_tokens=rest.num_tokens, profile_tokens=profile.num_tokens)
     for m in methods:
         rows, off = plan_rows[m]
-        placement = placements[m]
-        plan.expert_device[m] = placement.expert_device.astype(np.int16)
-        plan.holds[m] = placement.holds()
-        plan.redundant[m] = placement.redundant
         plan.step_rows[m] = (np.searchsorted(used, rows).astype(np.int64), off)
         plan.step_device[m] = np.ascontiguousarray(plan_dev[m])
-        plan.step_serving[m] = placement.serving_device(source.experts[rows], plan_dev[m]).astype(np.int16)
+        plan.step_serving[m] = placements[m].serving_device(source.experts[rows], plan_dev[m]).astype(np.int16)
     return plan
 
 

@@ -75,8 +75,8 @@ def _aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
             "analytic_match": matches,
             "check_max_rel_err": check,
             "solve_s": round(plan.solve_s[m], 3),
-            "redundant": plan.redundant[m],
-            "experts_per_rank": int(plan.holds[m].shape[1] // E + plan.redundant[m]),
+            "redundant": plan.placements[m].redundant,
+            "experts_per_rank": plan.placements[m].experts_per_device,
         }
     base = out["methods"].get("vanilla")
     if base:

@@ -97,7 +97,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
     with tempfile.TemporaryDirectory(prefix="semmoe-bench-ep-") as workdir:
         arrays = {"experts": plan.experts, "token_gid": plan.token_gid}
         for i, m in enumerate(plan.methods):
-            arrays[f"holds_{i}"] = plan.holds[m]
+            arrays[f"holds_{i}"] = plan.placements[m].holds()
             arrays[f"rows_{i}"], arrays[f"off_{i}"] = plan.step_rows[m]
             arrays[f"dev_{i}"] = plan.step_device[m]
             arrays[f"serve_{i}"] = plan.step_serving[m]

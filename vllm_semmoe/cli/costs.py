@@ -43,7 +43,7 @@ def cmd_cost(args) -> int:
             "hardware": {h: vars(HARDWARE[h]) for h in hardware},
             "methods": {m: {"lar": c["local"] / max(c["activations"], 1),
                             "dispatch_rows_per_token": float(c["rows"].sum() / max(c["tokens"], 1)),
-                            "redundant": plan.redundant[m], "solve_s": round(plan.solve_s[m], 3)}
+                            "redundant": plan.placements[m].redundant, "solve_s": round(plan.solve_s[m], 3)}
                         for m, c in counts.items()},
             "cost": table, "wall_s": round(time.perf_counter() - start, 1),
         })
