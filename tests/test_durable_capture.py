@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -172,8 +171,12 @@ def dp_tables(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("dp,sig", [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM), (2, signal.SIGINT)],
-                         ids=["one-engine-SIGTERM", "one-engine-SIGINT", "dp2-ep-SIGTERM", "dp2-ep-SIGINT"])
+# Each signal and each layout once (a server start costs 1-3 minutes on the 2-core VM): SIGTERM
+# reaches the API server only, which stops its engine; SIGINT reaches every process of the group
+# at once, the harder case, taken with the most processes (DP 2 + EP: two engines, two workers,
+# two API servers, the coordinator). Either way the capture's durability is the same mechanism:
+# each step's record is handed to the OS when the step ends, whoever dies first.
+@pytest.mark.parametrize("dp,sig", [(1, signal.SIGTERM), (2, signal.SIGINT)], ids=["one-engine-SIGTERM", "dp2-ep-SIGINT"])
 def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
     started = time.monotonic()
     capture = tmp_path / "served.npz"
