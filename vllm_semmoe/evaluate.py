@@ -25,6 +25,8 @@ default — TP: the reduce-scatter's contiguous slices; DP: requests dealt round
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
 from dataclasses import dataclass
 
@@ -180,21 +182,39 @@ def _tp_devices(trace, counts, tables, ep_size, config):
         holds = tables.placement.holds().astype(np.float32)
         weights = np.asarray(config.tp_evidence_weights, np.float64)
         experts = trace.experts.astype(np.int64)
-        for l in range(L):
-            scores = scheduling.tp_expert_scores(rows, previous_experts(experts, l), t2d[l], tables.oov_score[l],
-                                                 evidence[l], log_prior[l], holds[l], weights)
-            for s, e in zip(starts, ends):
-                device[s:e, l] = scheduling.tp_decide(scores[s:e], ep_size)[0]
+
+        def layer_scores(l):
+            return scheduling.tp_expert_scores(rows, previous_experts(experts, l), t2d[l], tables.oov_score[l],
+                                               evidence[l], log_prior[l], holds[l], weights)
     else:
         major = majority_device(counts)
         history = np.full((T, L), -1, np.int64)
         history[:, 2:] = major[:, :-2] * ep_size + major[:, 1:-1]
-        for l in range(L):
-            scores = scheduling.tp_layer_scores(rows, history[:, l], t2d[l], tables.oov_score[l], tables.markov[l],
-                                                scheduling.COMBINE_PRODUCT)
-            for s, e in zip(starts, ends):
-                device[s:e, l] = scheduling.tp_decide(scores[s:e], ep_size)[0]
+
+        def layer_scores(l):
+            return scheduling.tp_layer_scores(rows, history[:, l], t2d[l], tables.oov_score[l], tables.markov[l],
+                                              scheduling.COMBINE_PRODUCT)
+
+    def decide_layer(l):
+        scores = layer_scores(l)
+        for s, e in zip(starts, ends):
+            device[s:e, l] = scheduling.align(scores[s:e], scheduling.slice_capacity(e - s, ep_size))
+
+    for_each_layer(L, decide_layer)
     return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
+
+
+def for_each_layer(num_layers: int, work) -> None:
+    """``work(l)`` for every layer, on up to one thread per CPU: the layers' decisions are
+    independent and their Numba kernels release the GIL (the result does not depend on the
+    number of threads)."""
+    threads = min(num_layers, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if threads <= 1:
+        for l in range(num_layers):
+            work(l)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="semmoe-eval") as pool:
+        list(pool.map(work, range(num_layers)))  # list(): re-raise a layer's exception here
 
 
 def previous_experts(experts: np.ndarray, layer: int) -> np.ndarray:

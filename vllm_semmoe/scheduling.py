@@ -29,7 +29,7 @@ COMBINE_CONFIDENCE = 0  # the paper: use T2D or A, whichever is more confident
 COMBINE_PRODUCT = 1  # both as independent evidence: T2D · A / prior, normalised
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine):
     """Per-token device scores at one layer from T2D and the A table.
 
@@ -72,7 +72,7 @@ def tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine):
 TP_EVIDENCE_WEIGHTS = (0.3, 0.3, 0.2)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def tp_expert_scores(rows, prev, t2d_layer, oov_layer, log_evidence, log_prior, holds, weights):
     """Per-token device scores at one layer from T2D and the token's earlier experts.
 
@@ -186,7 +186,7 @@ def balanced_assignment(score, weight, cap, rounds):
     return device, price
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def align(scores, capacity):
     """Assign tokens to devices, exactly at most ``capacity`` each, maximising total score.
 
