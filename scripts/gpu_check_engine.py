@@ -205,7 +205,7 @@ def main() -> None:
     from vllm_semmoe.tables import build_tables
     from vllm_semmoe.trace import load_trace
     from vllm_semmoe.vllm_adapter.config import SemMoEConfigError
-    from vllm_semmoe.vllm_adapter.plugin import flush_capture
+    from vllm_semmoe.vllm_adapter.recording import flush_capture
 
     summary = {"gpu": torch.cuda.get_device_name(0)}
     import vllm

@@ -43,7 +43,7 @@ import json, sys
 def main():
     cfg = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from vllm_semmoe.vllm_adapter.plugin import flush_capture
+    from vllm_semmoe.vllm_adapter.recording import flush_capture
     llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0,
               tensor_parallel_size=cfg["tp"], enable_expert_parallel=cfg["tp"] > 1,
               distributed_executor_backend=cfg["backend"], enable_prefix_caching=False,

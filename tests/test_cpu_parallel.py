@@ -709,7 +709,7 @@ import json, sys
 def main():
     cfg = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from vllm_semmoe.vllm_adapter.plugin import flush_capture
+    from vllm_semmoe.vllm_adapter.recording import flush_capture
     llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
               tensor_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp",
               enable_prefix_caching=False, additional_config={"semmoe": cfg["semmoe"]})

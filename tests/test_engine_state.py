@@ -84,7 +84,7 @@ def configs(tmp_path):
 
 
 def test_layouts_a_mode_cannot_serve_are_refused(configs) -> None:
-    from vllm_semmoe.vllm_adapter.plugin import check_layout
+    from vllm_semmoe.vllm_adapter.checks import check_layout
 
     with pytest.raises(SemMoEConfigError, match=r"mode 'tp' with data parallelism \(TP 2 x DP 2 \+ EP\)"):
         check_layout(configs.tp, _vllm_config(tp=2, dp=2))
@@ -99,7 +99,7 @@ def test_layouts_a_mode_cannot_serve_are_refused(configs) -> None:
 
 def test_full_cuda_graphs_are_refused_and_piecewise_graphs_split_at_the_ops(configs) -> None:
     from vllm_semmoe.vllm_adapter.ops import SPLITTING_OPS
-    from vllm_semmoe.vllm_adapter.plugin import check_compilation
+    from vllm_semmoe.vllm_adapter.checks import check_compilation
 
     with pytest.raises(SemMoEConfigError, match=r"full CUDA graphs \(cudagraph_mode=FULL_AND_PIECEWISE\)"):
         check_compilation(configs.capture, _vllm_config(graphs="FULL_AND_PIECEWISE"))

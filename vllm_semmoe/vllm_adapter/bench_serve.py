@@ -259,7 +259,7 @@ def stop_server(server) -> None:
 
 def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
     """The run's figures from the requests' results and the engines' live counters files (one
-    per DP rank, or per TP rank under TP: :func:`.plugin.live_counters_path`)."""
+    per DP rank, or per TP rank under TP: :func:`.recording.live_counters_path`)."""
     ok = [r for r in results if r.get("ok")]
     rank_prompt_tokens, local, remote, tokens = [], 0, 0, 0
     traffic: dict = {}

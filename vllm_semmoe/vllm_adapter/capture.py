@@ -8,7 +8,7 @@ after it; see :mod:`.replacement`). When the step's forward pass ends the record
 step to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_store`): the
 capture survives any way the engine stops, and the recorder keeps no history. For live LAR,
 steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
-(or :func:`~vllm_semmoe.vllm_adapter.plugin.flush_capture` runs) and are then counted by a
+(or :func:`~vllm_semmoe.vllm_adapter.recording.flush_capture` runs) and are then counted by a
 :class:`ReplayMeter`: memory stays bounded however long the engine serves.
 """
 

@@ -62,7 +62,7 @@ def generate(llm, prompts: list[dict], max_tokens: int):
 
 def flush(llm) -> dict:
     """Write the capture and return the live metrics (first worker's answer)."""
-    from .plugin import flush_capture
+    from .recording import flush_capture
 
     results = llm.collective_rpc(flush_capture)
     return next((r for r in results if r), {})

@@ -79,7 +79,7 @@ class SemMoEState:
         metrics: the :class:`~.metrics.EngineMetrics` exporting ``counters`` on ``/metrics``
             (``None``: no API server can read this process's counters).
         step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
-        flushed_steps / flushed_summary: what the last :func:`~.plugin.flush_capture` wrote.
+        flushed_steps / flushed_summary: what the last :func:`~.recording.flush_capture` wrote.
         dp_router: in an API-server process, the Sem-MoE DP rank chooser (``dp`` mode).
     """
 
@@ -140,3 +140,11 @@ def state_of(owner) -> SemMoEState | None:
 def live_states() -> int:
     """How many distinct states are alive in this process (for tests)."""
     return len({id(s) for s in list(_BY_OWNER.values())})
+
+
+def runner_state(runner) -> SemMoEState | None:
+    """The state of a model runner's model (``None``: no model yet or any more, or not configured)."""
+    try:
+        return state_of(runner.get_model())
+    except (ValueError, AttributeError):  # no model (yet, or any more)
+        return None

@@ -1,0 +1,99 @@
+"""Engine-start checks: refuse, before any worker starts, what the plugin cannot serve.
+
+Run by the ``EngineArgs.create_engine_config`` hook (:mod:`.plugin`) when ``semmoe`` is
+configured: the parallel layout the mode needs, compilation settings (the plugin's per-step ops
+must stay outside CUDA graphs), and the tables against the model's HF config. Each refusal is
+one :class:`~.config.SemMoEConfigError` naming the setting and what to do instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import compat
+
+logger = logging.getLogger("vllm.semmoe")
+
+
+def check_engine_config(config, vllm_config) -> None:
+    """Refuse, before any worker starts, what the plugin cannot serve; keep its ops outside
+    piecewise CUDA graphs."""
+    check_layout(config, vllm_config)
+    check_compilation(config, vllm_config)
+    if config.tables is not None:
+        validate_against_model(config, vllm_config)
+
+
+def check_layout(config, vllm_config) -> None:
+    """Raise :class:`SemMoEConfigError` for a parallel layout ``config.mode`` does not support.
+
+    Supported: any TP/DP/EP combination for ``placement-only`` and ``dp``; ``tp`` with DP 1
+    (the shuffle exchanges rows within the TP group, which is the EP group only when DP is 1).
+    Pipeline and context parallelism are not supported in any mode (each pipeline stage holds
+    only some MoE layers: placement tables, capture and shuffle are per whole model).
+    """
+    from .config import SemMoEConfigError
+
+    layout = compat.parallel_layout(vllm_config)
+    if layout["pp"] > 1:
+        raise SemMoEConfigError(
+            f"semmoe: pipeline parallelism (pipeline_parallel_size={layout['pp']}) is not supported: "
+            "tables, capture and the TP shuffle cover all MoE layers of one model replica. "
+            "Serve with tensor/data/expert parallelism only, or remove the semmoe settings.")
+    for key, flag in (("pcp", "prefill_context_parallel_size"), ("dcp", "decode_context_parallel_size")):
+        if layout[key] > 1:
+            raise SemMoEConfigError(f"semmoe: context parallelism ({flag}={layout[key]}) is not supported; "
+                                    "remove it or the semmoe settings.")
+    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"] and layout["dp"] > 1:
+        raise SemMoEConfigError(
+            f"semmoe: mode 'tp' with data parallelism (TP {layout['tp']} x DP {layout['dp']} + EP) is not "
+            "supported: the token shuffle exchanges rows within a TP group, but the EP group spans "
+            "DP x TP. Use --data-parallel-size 1 with mode 'tp', or mode 'dp' for data-parallel serving.")
+    config.check_parallel(vllm_config.parallel_config)
+    if config.mode == "dp" and config.resolved_dispatch(vllm_config.parallel_config) == "vllm":
+        logger.warning(
+            "semmoe: mode 'dp' with vLLM's own MoE dispatch: on a backend that all-gathers tokens "
+            "(allgather_reducescatter, the CPU build's) a higher local activation rate moves no fewer "
+            "bytes; serve with TP 1 and the sparse dispatch (the default in mode dp), or an all-to-all "
+            "backend (--all2all-backend deepep_low_latency, pplx, flashinfer_all2allv, ...)")
+
+
+def check_compilation(config, vllm_config) -> None:
+    """Compiled models run the plugin's per-step work inside opaque ops (:mod:`.ops`); piecewise
+    CUDA graphs must split at them, full CUDA graphs cannot run them: refused."""
+    from .config import SemMoEConfigError
+    from .ops import CAPTURE_SPLITTING_OPS, SPLITTING_OPS
+
+    if not (config.records or config.mode == "tp"
+            or config.resolved_dispatch(vllm_config.parallel_config) == "sparse"):
+        return  # placement only: nothing runs per step
+    settings = compat.compilation(vllm_config)
+    graphs = settings["cudagraphs"]
+    if settings["enforce_eager"] or graphs in ("NONE", "None"):
+        return
+    if "FULL" in graphs:
+        raise SemMoEConfigError(
+            f"semmoe: routing capture, mode {config.mode!r} and the sparse dispatch run Python on every step, which full CUDA "
+            f"graphs (cudagraph_mode={graphs}) cannot replay. Serve with "
+            "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (the plugin's ops then run "
+            "between graph pieces, like attention) or --enforce-eager.")
+    compat.keep_ops_outside_graphs(vllm_config, list(SPLITTING_OPS + CAPTURE_SPLITTING_OPS))
+    logger.info("semmoe: %s kept outside the piecewise CUDA graphs", ", ".join(SPLITTING_OPS + CAPTURE_SPLITTING_OPS))
+
+
+def validate_against_model(config, vllm_config) -> None:
+    """Check tables against what the HF config tells before any worker starts.
+
+    The expert count, EP size and mode are checked here, and the MoE layer count when the
+    model family's layout is known (:func:`~.config.moe_layer_count`); it is checked again once
+    the model is built.
+    """
+    from .config import SemMoEConfigError, expert_parallel_size, moe_layer_count
+
+    hf = vllm_config.model_config.hf_text_config
+    num_experts = next((getattr(hf, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if getattr(hf, k, None)), None)
+    if num_experts is None:
+        raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
+    config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
+                       ep_size=expert_parallel_size(vllm_config.parallel_config))

@@ -1,0 +1,133 @@
+"""Sem-MoE installed into a freshly built model (weights not loaded yet): the engine's
+:class:`~.state.SemMoEState`, the placement, the routing recorder, the TP shuffle (fused into the
+decoder layers where recognised) and the DP + EP dispatch.
+
+Called once per engine by the ``BaseModelLoader.create_model`` hook (:mod:`.plugin`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+from . import compat
+from .recording import flush_at_exit, make_recorder
+from .state import SemMoEState, register_state
+
+logger = logging.getLogger("vllm.semmoe")
+
+
+def build_state(model, config, vllm_config) -> SemMoEState:
+    """Create the engine's state for a freshly built ``model`` (weights not loaded yet): install
+    the placement, the routing recorder and the TP shuffle, and register the state under the
+    model and its MoE layers."""
+    from .config import expert_parallel_size
+    from .replacement import install_placement, install_self_check, moe_runners
+
+    runners = moe_runners(model)
+    layout = compat.parallel_layout(vllm_config)
+    ep_size = expert_parallel_size(vllm_config.parallel_config)
+    state = SemMoEState(config=config, parallel=(layout["tp"], layout["dp"], layout["dp_rank"], ep_size))
+    register_state(model, state)
+    for runner in runners:
+        register_state(runner, state)
+    if config.tables is not None:
+        state.tables = config.load_tables(
+            num_layers=len(runners),
+            num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
+            ep_size=ep_size)
+        installed = install_placement(model, runners, state.tables.placement)
+        install_self_check(model, runners, installed)
+        logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
+                    state.tables.placement.method, state.tables.ep_size, len(runners))
+    if config.records:
+        state.recorder = make_recorder(runners, vllm_config, config, state)
+    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"]:
+        from . import ops
+        from .tp_shuffle import TpShuffleLayer
+
+        for index, runner in enumerate(runners):
+            state.tp_layers[runner.layer_name] = TpShuffleLayer(index, state.tables)
+        fuse_decoder_layers(model, state)
+        for runner in runners:
+            if runner.layer_name not in state.fused:
+                ops.install_moe_op(runner, runner.layer_name)
+        warm_up_scheduler(state.tables, ep_size)
+    install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
+    if layout["tp"] > 1 and state.recorder is not None:  # count the TP group's collectives too
+        from .ep_dispatch import meter_collectives
+
+        tp = compat.tp_group()
+        meter_collectives(tp.device_communicator, tp.rank_in_group, tp.world_size, _weak_counters(state))
+        state.tp_metered = True
+    if config.records:  # flush at interpreter exit too (holds the state weakly)
+        flush_at_exit(state)
+    return state
+
+
+def install_dispatch(runners: list, state: SemMoEState, dispatch: str | None) -> None:
+    """DP + EP: give the MoE layers the sparse dispatch, or meter vLLM's own (when recording)."""
+    from .ep_dispatch import install_dispatch_meter, install_sparse_dispatch
+
+    if dispatch is None or (dispatch == "vllm" and state.recorder is None):
+        return
+    install = install_sparse_dispatch if dispatch == "sparse" else install_dispatch_meter
+    for runner in runners:
+        install(runner, state.moe_counters)
+    state.dispatch = dispatch
+    from .metrics import EngineMetrics
+
+    if EngineMetrics.available():
+        state.metrics = EngineMetrics(state.parallel[2])
+    logger.info("semmoe: %s MoE dispatch on %d MoE layers", "sparse EP" if dispatch == "sparse" else
+                "vLLM's all-gather (metered)", len(runners))
+
+
+def _weak_counters(state: SemMoEState):
+    """``state.moe_counters`` without keeping ``state`` alive (the communicator outlives engines)."""
+    from .state import new_moe_counters
+
+    ref = weakref.ref(state)
+
+    def counters_of() -> dict:
+        alive = ref()
+        return alive.moe_counters() if alive is not None else new_moe_counters()
+
+    return counters_of
+
+
+def warm_up_scheduler(tables, ep_size: int) -> None:
+    """Compile the Numba TP scheduler now (types of the real calls), not in the first step."""
+    import numpy as np
+
+    from .. import scheduling
+    from .state import StepContext, new_moe_counters
+    from .tp_shuffle import TpShuffleLayer
+
+    layer = TpShuffleLayer(0, tables)
+    step = StepContext(np.array([-1, 0], np.int64), tables, None, new_moe_counters())
+    step.experts[0] = np.zeros((2, tables.top_k), np.int64)
+    step.major[0] = np.zeros(2, np.int64)
+    if layer.shuffle:
+        for index in range(min(2, tables.num_layers)):  # without and with history
+            TpShuffleLayer(index, tables).schedule(step, 2, ep_size)
+    scheduling.shuffle_permutation(scheduling.contiguous_slices(2, ep_size), ep_size, 1)
+
+
+def fuse_decoder_layers(model, state: SemMoEState) -> int:
+    """Give decoder layers whose structure :func:`.tp_shuffle.fusable_runner` recognises (e.g.
+    Qwen3-MoE's) the fused SRS/SAG forward; returns how many. Other MoE layers keep the
+    MoE-boundary shuffle, which runs vLLM's whole MoE layer."""
+    from . import ops
+    from .tp_shuffle import fusable_runner
+
+    fused = 0
+    for module in model.modules():
+        runner = fusable_runner(module, state.tp_layers)
+        if runner is None:
+            continue
+        state.fused[runner.layer_name] = weakref.ref(module)
+        ops.install_decoder_op(module, runner.layer_name)
+        fused += 1
+    logger.info("semmoe: shuffled reduce-scatter/all-gather fused into %d decoder layers", fused)
+    return fused
