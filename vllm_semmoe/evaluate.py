@@ -200,15 +200,21 @@ def _tp_devices(trace, counts, tables, ep_size, config):
         for s, e in zip(starts, ends):
             device[s:e, l] = scheduling.align(scores[s:e], scheduling.slice_capacity(e - s, ep_size))
 
-    for_each_layer(L, decide_layer)
+    # threads pay off on a whole trace, not on the few steps the plugin's live meter passes
+    for_each_layer(L, decide_layer, threaded=T * L >= PARALLEL_MIN_TOKEN_LAYERS)
     return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
 
 
-def for_each_layer(num_layers: int, work) -> None:
-    """``work(l)`` for every layer, on up to one thread per CPU: the layers' decisions are
-    independent and their Numba kernels release the GIL (the result does not depend on the
-    number of threads)."""
-    threads = min(num_layers, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+#: token-layers from which :func:`_tp_devices` decides the layers on several threads
+PARALLEL_MIN_TOKEN_LAYERS = 1 << 16
+
+
+def for_each_layer(num_layers: int, work, threaded: bool = True) -> None:
+    """``work(l)`` for every layer, on up to one thread per CPU (``threaded``): the layers'
+    decisions are independent and their Numba kernels release the GIL (the result does not
+    depend on the number of threads)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = min(num_layers, cpus) if threaded else 1
     if threads <= 1:
         for l in range(num_layers):
             work(l)
