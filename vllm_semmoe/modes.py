@@ -6,7 +6,7 @@
   that rank. The data unit is the request.
 
 :class:`ServingMode` is a ``str`` enum: its members are the strings ``"tp"`` / ``"dp"`` (so they
-compare, print and serialise as those; ``enum.StrEnum`` would do the same but needs Python 3.11,
+compare, print, quote in messages and serialise as those; ``enum.StrEnum`` would do the same but needs Python 3.11,
 and the package supports 3.10), and :func:`serving_mode` turns user input into one with
 an error that names the valid modes.
 """
@@ -27,6 +27,9 @@ class ServingMode(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+    def __repr__(self) -> str:  # messages quote the mode as the user wrote it: 'tp'
+        return repr(self.value)
 
 
 #: the modes' names, for argument choices and messages

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from ..modes import ServingMode
 from . import compat
 
 logger = logging.getLogger("vllm.semmoe")
@@ -44,13 +45,13 @@ def check_layout(config, vllm_config) -> None:
         if layout[key] > 1:
             raise SemMoEConfigError(f"semmoe: context parallelism ({flag}={layout[key]}) is not supported; "
                                     "remove it or the semmoe settings.")
-    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"] and layout["dp"] > 1:
+    if config.mode == ServingMode.TP and layout["tp"] > 1 and layout["ep"] and layout["dp"] > 1:
         raise SemMoEConfigError(
             f"semmoe: mode 'tp' with data parallelism (TP {layout['tp']} x DP {layout['dp']} + EP) is not "
             "supported: the token shuffle exchanges rows within a TP group, but the EP group spans "
             "DP x TP. Use --data-parallel-size 1 with mode 'tp', or mode 'dp' for data-parallel serving.")
     config.check_parallel(vllm_config.parallel_config)
-    if config.mode == "dp" and config.resolved_dispatch(vllm_config.parallel_config) == "vllm":
+    if config.mode == ServingMode.DP and config.resolved_dispatch(vllm_config.parallel_config) == "vllm":
         logger.warning(
             "semmoe: mode 'dp' with vLLM's own MoE dispatch: on a backend that all-gathers tokens "
             "(allgather_reducescatter, the CPU build's) a higher local activation rate moves no fewer "
@@ -64,7 +65,7 @@ def check_compilation(config, vllm_config) -> None:
     from .config import SemMoEConfigError
     from .ops import CAPTURE_SPLITTING_OPS, SPLITTING_OPS
 
-    if not (config.records or config.mode == "tp"
+    if not (config.records or config.mode == ServingMode.TP
             or config.resolved_dispatch(vllm_config.parallel_config) == "sparse"):
         return  # placement only: nothing runs per step
     settings = compat.compilation(vllm_config)

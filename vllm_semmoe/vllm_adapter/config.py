@@ -8,11 +8,13 @@ import sys
 from dataclasses import dataclass
 
 from .. import scheduling
-from ..modes import MODES as SERVING_MODES
+from ..modes import MODES as SERVING_MODES, ServingMode, serving_mode
 from ..tables import SemMoETables, TablesError, load_tables
 
-#: ``placement-only`` (apply the placement, no data scheduling) or a serving mode
-MODES = ("placement-only", *SERVING_MODES)
+#: the engine mode that applies the placement and schedules no data
+PLACEMENT_ONLY = "placement-only"
+#: the engine modes: :data:`PLACEMENT_ONLY` or a serving mode (:class:`~vllm_semmoe.modes.ServingMode`)
+MODES = (PLACEMENT_ONLY, *SERVING_MODES)
 #: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
 #: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
 DISPATCHES = ("vllm", "sparse")
@@ -34,8 +36,8 @@ class SemMoEConfig:
         capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
             every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
             :func:`vllm_semmoe.trace.load_trace` reads it as one trace.
-        mode: ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data
-            the Sem-MoE way and meter live LAR accordingly).
+        mode: :data:`PLACEMENT_ONLY` (apply the placement), or a :class:`~vllm_semmoe.modes.ServingMode`
+            (``tp``, ``dp``: also schedule data the Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
             ``dp`` where the layout allows it (DP > 1, TP 1, expert parallelism), else ``vllm``.
         dp_balance: ``dp`` mode proportional balance knob (``scheduling.dp_choose_balanced``):
@@ -51,7 +53,7 @@ class SemMoEConfig:
 
     tables: str | None = None
     capture: str | None = None
-    mode: str = "placement-only"
+    mode: str = PLACEMENT_ONLY
     dispatch: str | None = None
     dp_balance: float = scheduling.DEFAULT_DP_BALANCE
     dp_price_step: float = scheduling.DEFAULT_DP_PRICE_STEP
@@ -82,16 +84,18 @@ class SemMoEConfig:
         for key in ("mode", "tables", "capture", "dispatch"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise SemMoEConfigError(f"semmoe {key} must be a string, got {raw[key]!r}")
-        mode = raw.get("mode", "placement-only")
+        mode = raw.get("mode", PLACEMENT_ONLY)
         if mode not in MODES:
             raise SemMoEConfigError(f"semmoe mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != PLACEMENT_ONLY:
+            mode = serving_mode(mode)
         dispatch = raw.get("dispatch")
         if dispatch is not None and dispatch not in DISPATCHES:
             raise SemMoEConfigError(f"semmoe dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         tables = raw.get("tables")
         if tables is not None and not os.path.isdir(tables):
             raise SemMoEConfigError(f"semmoe tables directory not found: {tables}")
-        if mode != "placement-only" and tables is None:
+        if mode != PLACEMENT_ONLY and tables is None:
             raise SemMoEConfigError(f"semmoe mode {mode!r} needs 'tables' (a directory from `semmoe solve`)")
         capture = raw.get("capture")
         if capture is not None:
@@ -114,7 +118,7 @@ class SemMoEConfig:
     @property
     def records(self) -> bool:
         """Whether engines keep a routing recorder (for the capture file or live metering)."""
-        return self.capture is not None or self.mode != "placement-only"
+        return self.capture is not None or self.mode != PLACEMENT_ONLY
 
     def resolved_dispatch(self, parallel_config) -> str | None:
         """The dispatch the engine runs: ``sparse``, ``vllm``, or ``None`` when the layout has no
@@ -124,7 +128,7 @@ class SemMoEConfig:
             return None
         if self.dispatch is not None:
             return self.dispatch
-        return "sparse" if self.mode == "dp" and tp == 1 else "vllm"
+        return "sparse" if self.mode == ServingMode.DP and tp == 1 else "vllm"
 
     def check_parallel(self, parallel_config) -> None:
         """Refuse a mode the parallel layout cannot run (``dp``: DP > 1 with expert
@@ -132,7 +136,7 @@ class SemMoEConfig:
         dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
         ep = bool(getattr(parallel_config, "enable_expert_parallel", False))
         running = f"running DP {dp}, TP {tp}, expert parallelism {'on' if ep else 'off'}"
-        if self.mode == "dp" and (dp < 2 or not ep):
+        if self.mode == ServingMode.DP and (dp < 2 or not ep):
             raise SemMoEConfigError(
                 f"semmoe mode 'dp' routes requests over data-parallel ranks: add --data-parallel-size N "
                 f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
@@ -141,7 +145,7 @@ class SemMoEConfig:
                 f"semmoe dispatch 'sparse' exchanges tokens between data-parallel ranks: it needs "
                 f"--data-parallel-size N (N >= 2), --tensor-parallel-size 1 and --enable-expert-parallel "
                 f"({running})")
-        if self.mode == "tp" and (tp < 2 or not ep):
+        if self.mode == ServingMode.TP and (tp < 2 or not ep):
             raise SemMoEConfigError(
                 f"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add --tensor-parallel-size N "
                 f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
@@ -156,7 +160,7 @@ class SemMoEConfig:
         """
         if self.tables is None:
             return None
-        any_ep = self.mode == "placement-only" and ep_size == 1
+        any_ep = self.mode == PLACEMENT_ONLY and ep_size == 1
         try:
             tables = load_tables(self.tables)
             tables.check_compatible(num_layers=tables.num_layers if num_layers is None else num_layers,
@@ -171,7 +175,7 @@ class SemMoEConfig:
                 "serving replicas is not supported yet (it needs vLLM's redundant expert slots, which only its "
                 "EPLB drives): serve tables solved with --redundant 0; replicas are evaluated offline "
                 "(semmoe eval --redundant R)")
-        if self.mode != "placement-only" and tables.mode != self.mode:
+        if self.mode != PLACEMENT_ONLY and tables.mode != self.mode:
             raise SemMoEConfigError(
                 f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
                 f"{self.mode!r}: re-solve with `semmoe solve --mode {self.mode}` or serve with --mode {tables.mode}")

@@ -17,7 +17,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..modes import ServingMode
 from . import compat
+from .config import PLACEMENT_ONLY
 
 
 class SourceError(ValueError):
@@ -266,11 +268,11 @@ def check_source(source: VllmSource, version: str) -> list[Result]:
     return results
 
 
-FEATURES = {  # mode -> the needed_by groups it uses
-    "placement-only": ("all",),
+FEATURES = {  # engine mode (or capture) -> the needed_by groups it uses
+    PLACEMENT_ONLY: ("all",),
     "capture": ("all", "capture"),
-    "tp": ("all", "capture", "tp"),
-    "dp": ("all", "capture", "dp"),
+    ServingMode.TP: ("all", "capture", "tp"),
+    ServingMode.DP: ("all", "capture", "dp"),
 }
 
 LAYOUTS = (

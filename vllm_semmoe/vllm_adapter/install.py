@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+from ..modes import ServingMode
 from . import compat
 from .recording import flush_at_exit, make_recorder
 from .state import SemMoEState, register_state
@@ -42,7 +43,7 @@ def build_state(model, config, vllm_config) -> SemMoEState:
                     state.tables.placement.method, state.tables.ep_size, len(runners))
     if config.records:
         state.recorder = make_recorder(runners, vllm_config, config, state)
-    if config.mode == "tp" and layout["tp"] > 1 and layout["ep"]:
+    if config.mode == ServingMode.TP and layout["tp"] > 1 and layout["ep"]:
         from . import ops
         from .tp_shuffle import TpShuffleLayer
 

@@ -32,6 +32,7 @@ import functools
 import logging
 import warnings
 
+from ..modes import ServingMode
 from . import compat
 from .checks import check_engine_config
 from .install import build_state
@@ -230,7 +231,7 @@ def _patch_dp_router() -> None:
 def make_dp_router(vllm_config, num_ranks: int):
     """A :class:`DpRouter` when ``semmoe`` is configured in ``dp`` mode, else ``None``."""
     config = _semmoe_config(vllm_config)
-    if config is None or config.mode != "dp":
+    if config is None or config.mode != ServingMode.DP:
         return None
     from ..tables import load_tables
     from .dp_routing import DpRouter
