@@ -8,8 +8,9 @@ evaluated), and each asserted threshold also holds on every single seed. Same co
 
 Solves are cached under ``$SEMMOE_CACHE_DIR`` (default ``~/.cache/vllm-semmoe``)/solves, keyed
 by the profile, the solve's parameters and a hash of the solver sources, so only the
-evaluation runs again when the solver is unchanged. Runtime on the 2-core VM: 130 s with a warm
-cache, about 6 min cold (20 Sem-MoE solves, MoETuner on seed 0), both at load average 5-7.
+evaluation runs again when the solver is unchanged. Runtime on the 2-core VM with nothing else
+running (the evaluation decides layers on both cores): 131 s with a warm cache, 188 s cold (20
+Sem-MoE solves, MoETuner on seed 0).
 
 Issue 10's bar that these figures do not reach is the ``xfail(strict=True)`` test at the end: it
 documents the gap and fails loudly once the bar is met (then make it a plain test).

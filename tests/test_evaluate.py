@@ -131,3 +131,25 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
     assert set(payload["dp_curve"]) == {"balance=0", "balance=1"}
     assert main(["solve", "--trace", str(path), "--ep", "8", "--redundant", "2", "--out", str(tmp_path / "t")]) == 0
     assert "2 redundant slot(s) per device (10 physical experts per rank)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("history", ["experts", "devices"])
+def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
+    """The TP evaluation decides layers on parallel threads for a whole trace: every token's
+    device at every layer, and so every figure, equals the single-thread evaluation."""
+    import vllm_semmoe.evaluate as ev
+
+    profile, trace = split
+    placement = get_policy("semmoe").solve(profile, 8)
+    tables = build_tables(profile, placement)
+    config = EvalConfig(mode="tp", tp_history=history)
+    counts = ev.placement_device_counts(trace.experts, placement)
+    runs, original = {}, ev.for_each_layer
+    for threaded in (True, False):
+        monkeypatch.setattr(ev, "PARALLEL_MIN_TOKEN_LAYERS", 0 if threaded else 1 << 62)
+        calls = []
+        monkeypatch.setattr(ev, "for_each_layer", lambda L, work, threaded: (
+            calls.append(threaded), original(L, work, threaded)))
+        runs[threaded] = ev._tp_devices(trace, counts, tables, 8, config)
+        assert calls == [threaded]
+    assert (runs[True][0] == runs[False][0]).all() and runs[True][1] == runs[False][1]

@@ -207,14 +207,16 @@ def _tp_devices(trace, counts, tables, ep_size, config):
 
 #: token-layers from which :func:`_tp_devices` decides the layers on several threads
 PARALLEL_MIN_TOKEN_LAYERS = 1 << 16
+#: at most this many layers at once (each holds its ``[T, E]`` scores and ``[T, 2, K]`` history)
+MAX_LAYER_THREADS = 8
 
 
 def for_each_layer(num_layers: int, work, threaded: bool = True) -> None:
-    """``work(l)`` for every layer, on up to one thread per CPU (``threaded``): the layers'
-    decisions are independent and their Numba kernels release the GIL (the result does not
-    depend on the number of threads)."""
+    """``work(l)`` for every layer, on up to one thread per CPU (``threaded``; at most
+    :data:`MAX_LAYER_THREADS`): the layers' decisions are independent and their Numba kernels
+    release the GIL (the result does not depend on the number of threads)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = min(num_layers, cpus) if threaded else 1
+    threads = min(num_layers, cpus, MAX_LAYER_THREADS) if threaded else 1
     if threads <= 1:
         for l in range(num_layers):
             work(l)
