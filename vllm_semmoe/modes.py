@@ -6,9 +6,9 @@
   that rank. The data unit is the request.
 
 :class:`ServingMode` is a ``str`` enum: its members are the strings ``"tp"`` / ``"dp"`` (so they
-compare, print, quote in messages and serialise as those; ``enum.StrEnum`` would do the same but needs Python 3.11,
-and the package supports 3.10), and :func:`serving_mode` turns user input into one with
-an error that names the valid modes.
+compare, print, quote in messages and serialise as those; ``enum.StrEnum`` would do the same
+but needs Python 3.11, and the package supports 3.10), and :func:`serving_mode` turns user input
+into one with an error that names the valid modes.
 """
 
 from __future__ import annotations
