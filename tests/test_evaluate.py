@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from vllm_semmoe.evaluate import EvalConfig, compare_methods, evaluate
@@ -135,21 +137,21 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
 
 @pytest.mark.parametrize("history", ["experts", "devices"])
 def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
-    """The TP evaluation decides layers on parallel threads for a whole trace: every token's
-    device at every layer, and so every figure, equals the single-thread evaluation."""
+    """The TP evaluation decides layers on parallel threads (``EvalConfig.threads``): every
+    token's device at every layer, and so every figure, equals the single-thread evaluation."""
     import vllm_semmoe.evaluate as ev
 
     profile, trace = split
     placement = get_policy("semmoe").solve(profile, 8)
     tables = build_tables(profile, placement)
-    config = EvalConfig(mode="tp", tp_history=history)
     counts = ev.placement_device_counts(trace.experts, placement)
     runs, original = {}, ev.for_each_layer
-    for threaded in (True, False):
-        monkeypatch.setattr(ev, "PARALLEL_MIN_TOKEN_LAYERS", 0 if threaded else 1 << 62)
-        calls = []
-        monkeypatch.setattr(ev, "for_each_layer", lambda L, work, threaded: (
-            calls.append(threaded), original(L, work, threaded)))
-        runs[threaded] = ev._tp_devices(trace, counts, tables, 8, config)
-        assert calls == [threaded]
-    assert (runs[True][0] == runs[False][0]).all() and runs[True][1] == runs[False][1]
+    for threads in (4, 1):
+        used = []
+        monkeypatch.setattr(ev, "for_each_layer", lambda L, work, n: (used.append(n), original(L, work, n)))
+        runs[threads] = ev._tp_devices(trace, counts, tables, 8, EvalConfig(mode="tp", tp_history=history,
+                                                                               threads=threads))
+        assert used == [threads]
+    assert (runs[4][0] == runs[1][0]).all() and runs[4][1] == runs[1][1]
+    assert ev.layer_threads(None, 26) == min(len(os.sched_getaffinity(0)), ev.MAX_LAYER_THREADS)
+    assert ev.layer_threads(16, 3) == 3 and ev.layer_threads(0, 3) == 1

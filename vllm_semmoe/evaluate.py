@@ -63,6 +63,8 @@ class EvalConfig:
     # scheduling.tp_expert_scores (what the engine uses is the default)
     dp_decode_weight: float | None = None  # DP: decode work per request (None: profile's mean
     # output length where the profile has decode tokens, else scheduling.DEFAULT_DECODE_WEIGHT)
+    threads: int | None = None  # TP: layers decided at once on threads (None: one per CPU, at
+    # most MAX_LAYER_THREADS; 1 where the caller shares its CPUs, e.g. the plugin's live meter)
 
     def window(self, ep_size: int) -> int:
         return scheduling.balance_window(ep_size) if self.dp_window is None else int(self.dp_window)
@@ -200,23 +202,27 @@ def _tp_devices(trace, counts, tables, ep_size, config):
         for s, e in zip(starts, ends):
             device[s:e, l] = scheduling.align(scores[s:e], scheduling.slice_capacity(e - s, ep_size))
 
-    # threads pay off on a whole trace, not on the few steps the plugin's live meter passes
-    for_each_layer(L, decide_layer, threaded=T * L >= PARALLEL_MIN_TOKEN_LAYERS)
+    for_each_layer(L, decide_layer, layer_threads(config.threads, L))
     return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
 
 
-#: token-layers from which :func:`_tp_devices` decides the layers on several threads
-PARALLEL_MIN_TOKEN_LAYERS = 1 << 16
 #: at most this many layers at once (each holds its ``[T, E]`` scores and ``[T, 2, K]`` history)
 MAX_LAYER_THREADS = 8
 
 
-def for_each_layer(num_layers: int, work, threaded: bool = True) -> None:
-    """``work(l)`` for every layer, on up to one thread per CPU (``threaded``; at most
-    :data:`MAX_LAYER_THREADS`): the layers' decisions are independent and their Numba kernels
-    release the GIL (the result does not depend on the number of threads)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = min(num_layers, cpus, MAX_LAYER_THREADS) if threaded else 1
+def layer_threads(threads: int | None, num_layers: int) -> int:
+    """``threads`` (:attr:`EvalConfig.threads`) resolved: ``None`` is one per CPU this process
+    may run on, at most :data:`MAX_LAYER_THREADS`; never more than the layers."""
+    if threads is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = min(cpus, MAX_LAYER_THREADS)
+    return max(1, min(int(threads), num_layers))
+
+
+def for_each_layer(num_layers: int, work, threads: int) -> None:
+    """``work(l)`` for every layer, on ``threads`` threads: the layers' decisions are independent
+    and their Numba kernels release the GIL (the result does not depend on the number of
+    threads)."""
     if threads <= 1:
         for l in range(num_layers):
             work(l)

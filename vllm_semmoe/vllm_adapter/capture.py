@@ -181,7 +181,8 @@ class ReplayMeter:
         steps = RoutingTrace.from_arrays(tokens.astype(np.int32), experts, np.concatenate([[0], np.cumsum(step_lengths)]),
                                          vocab_size=self.vocab_size, num_experts=tables.num_experts)
         scheduled = tables if tables.placement.method == "semmoe" else None
-        result = evaluate(steps, tables.placement, scheduled, EvalConfig(mode="tp", batch_tokens=0))
+        # one thread: this runs inside the engine's step, beside its own compute threads
+        result = evaluate(steps, tables.placement, scheduled, EvalConfig(mode="tp", batch_tokens=0, threads=1))
         self.local += result["lar"] * n * L * K
         self.local_tokens += result["lar_token"] * n * L
         self.oracle += result["oracle_lar"] * n * L * K
