@@ -85,7 +85,8 @@ def _expected_rows(plan, method):
     from the placement's copies and the serving rule restated by hand."""
     rows_idx, offsets = plan.step_rows[method]
     dev = plan.step_device[method]
-    serving = serving_by_hand(plan.expert_device[method], plan.holds[method], plan.experts[rows_idx], dev)
+    serving = serving_by_hand(plan.placements[method].expert_device, plan.placements[method].holds(),
+                              plan.experts[rows_idx], dev)
     L, E = plan.num_layers, plan.ranks
     rows = np.zeros((L, E, E), np.int64)
     for p in range(len(rows_idx)):
@@ -100,7 +101,7 @@ def _local_by_hand(plan, method):
     """Activations whose expert has a copy on the token's rank."""
     rows_idx, _ = plan.step_rows[method]
     dev = plan.step_device[method]
-    holds = plan.holds[method]
+    holds = plan.placements[method].holds()
     return sum(bool(holds[layer, e, dev[p, layer]]) for p, row in enumerate(rows_idx)
                for layer in range(plan.num_layers) for e in plan.experts[row, layer])
 

@@ -25,8 +25,7 @@ class BenchPlan:
             hidden state and gate weights).
         methods: method names, in run order.
         placements: method → its solved :class:`~vllm_semmoe.placement.Placement` (home ranks
-            and, with ``R`` redundant slots, ``R`` replicas per rank and layer);
-            :attr:`expert_device`, :attr:`holds` and :attr:`redundant` read from it.
+            and, with ``R`` redundant slots, ``R`` replicas per rank and layer).
         step_rows: method → ``(rows [P], offsets [S+1])``: rows of ``experts`` in batch ``s``.
         step_device: method → ``[P, L]`` int16 rank of each batch row per layer.
         step_serving: method → ``[P, L, K]`` int16 rank computing each activation of each
@@ -55,21 +54,6 @@ class BenchPlan:
     @property
     def top_k(self) -> int:
         return self.experts.shape[2]
-
-    @property
-    def expert_device(self) -> dict:
-        """method → ``[L, N]`` int16 home rank of every logical expert."""
-        return {m: p.expert_device for m, p in self.placements.items()}
-
-    @property
-    def holds(self) -> dict:
-        """method → ``[L, N, E]`` bool: rank ``e`` holds a copy (home or replica) of expert ``n``."""
-        return {m: p.holds() for m, p in self.placements.items()}
-
-    @property
-    def redundant(self) -> dict:
-        """method → ``R``, redundant slots per rank it was solved with."""
-        return {m: p.redundant for m, p in self.placements.items()}
 
     def num_steps(self, method: str) -> int:
         return len(self.step_rows[method][1]) - 1
