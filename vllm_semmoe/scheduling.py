@@ -167,10 +167,11 @@ def balanced_assignment(score, weight, cap, rounds):
     for _ in range(rounds):
         load[:] = 0.0
         for u in range(U):
-            best = 0
+            best, best_value = 0, score[u, 0] - price[0]
             for e in range(1, E):
-                if score[u, e] - price[e] > score[u, best] - price[best]:
-                    best = e
+                value = score[u, e] - price[e]
+                if value > best_value:
+                    best, best_value = e, value
             device[u] = best
             load[best] += weight[u]
         if load.max() <= cap:
