@@ -1,0 +1,52 @@
+"""What Sem-MoE's expert-load bound costs in TP LAR (issue 10: at most one point), per split seed.
+
+For each seed the DeepSeek-V2-Lite dev trace's requests are split as ``semmoe eval
+--profile-frac 0.2 --seeds ...`` splits them; Sem-MoE is solved on the profile (TP, EP 8) with
+the default bound (``policy.semmoe.DEFAULT_LOAD_SLACK``) and without it (``load_slack=inf``),
+and both are evaluated on the other 80% with Sem-MoE's tables, beside vanilla's expert
+imbalance. Prints per seed and mean ± sd (sample sd) of LAR, expert imbalance and the cost.
+
+    .venv/bin/python scripts/load_bound_cost.py [--trace PATH] [--seeds 0,1,2,3,4]
+"""
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from vllm_semmoe.evaluate import EvalConfig, evaluate
+from vllm_semmoe.policy import get_policy
+from vllm_semmoe.policy.semmoe import SemMoEPolicy
+from vllm_semmoe.tables import build_tables
+from vllm_semmoe.trace import load_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    args = parser.parse_args()
+    trace, config = load_trace(args.trace), EvalConfig(mode="tp")
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        profile, held_out = trace.split(0.2, seed)
+        row = []
+        for policy in (SemMoEPolicy(), SemMoEPolicy(load_slack=np.inf)):
+            placement = policy.solve(profile, 8, mode="tp", seed=seed)
+            figures = evaluate(held_out, placement, build_tables(profile, placement, mode="tp"), config)
+            row += [figures["lar"], figures["expert_imbalance"]]
+        row.append(evaluate(held_out, get_policy("vanilla").solve(profile, 8), None, config)["expert_imbalance"])
+        rows.append(row + [100 * (row[2] - row[0])])
+        print(f"seed {seed}: bound lar {row[0]:.4f} expert_imbalance {row[1]:.4f}; no bound lar {row[2]:.4f} "
+              f"expert_imbalance {row[3]:.4f}; vanilla expert_imbalance {row[4]:.4f}; cost {rows[-1][5]:.2f} "
+              "LAR points", flush=True)
+    mean, sd = np.mean(rows, axis=0), np.std(rows, axis=0, ddof=1) if len(rows) > 1 else np.zeros(6)
+    names = ("bound lar", "bound expert_imbalance", "no bound lar", "no bound expert_imbalance",
+             "vanilla expert_imbalance", "cost (LAR points)")
+    print("; ".join(f"{n} {m:.4f}±{s:.4f}" for n, m, s in zip(names, mean, sd)))
+
+
+if __name__ == "__main__":
+    main()
