@@ -13,9 +13,9 @@ minimise token-load imbalance plus expected remote activations. Like the paper w
    mean (:func:`balance_swaps`). Optionally (``load_price`` θ > 0, off by default) the swaps go
    on down to the mean and keep the placement along the way that maximises local share minus
    θ × expert imbalance, a Lagrangian price that spends the balance where it is cheapest in
-   locality. θ = 0.175 (chosen on profile splits) cost 0.97 LAR points instead of 1.07 on seeds
-   0-4 at a lower expert imbalance, but one seed's TP LAR fell to 0.3878 (< 0.39), so it is
-   not the default; see benchmarks/SEEDS.md.
+   locality. θ = 0.175 (chosen on profile splits, with the solver before its restarts change)
+   cost 0.97 LAR points instead of 1.07 on seeds 0-4 at a lower expert imbalance, but one
+   seed's TP LAR fell to 0.3878 (< 0.39), so it is not the default; see benchmarks/SEEDS.md.
 
 Replication for locality (``R`` redundant slots per device, after the co-clustering): the
 online scheduler is simulated on the profile with the solved placement's tables, and every
