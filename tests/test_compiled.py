@@ -31,8 +31,8 @@ from vllm_semmoe.assets import tiny_moe_path
 pytest.importorskip("vllm")
 
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
-    MAX_TOKENS, MIN_REFERENCE_MARGIN, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port,
-    _kill_group, _post_json, _run_bounded, _tail)
+    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group,
+    _post_json, _run_bounded, _tail, clear_outputs)
 
 ENGINE_TIMEOUT_S = 480
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -84,12 +84,9 @@ def _run_compiled(tmp: Path, name: str, *, tp: int, semmoe: dict | None) -> dict
 def reference(tmp_path_factory) -> dict[int, list[int]]:
     """Greedy tokens of plain vLLM (plugin not configured), TP 1, compiled, for the prompts whose
     greedy path has no near-tie (bf16 logits: another batch shape or reduction order may break a
-    tie the other way); at least 3 of the 4 prompts must qualify."""
+    tie the other way; :func:`test_cpu_parallel.clear_outputs`), by prompt index."""
     result = _run_compiled(tmp_path_factory.mktemp("reference"), "tp1_plain", tp=1, semmoe=None)
-    clear = {i: o["token_ids"] for i, o in enumerate(result["outputs"])
-             if min(o["margins"]) >= MIN_REFERENCE_MARGIN and len(o["token_ids"]) == MAX_TOKENS}
-    assert len(clear) >= 3, [min(o["margins"]) for o in result["outputs"]]
-    return clear
+    return {i: o["token_ids"] for i, o in clear_outputs(result["outputs"]).items()}
 
 
 def _assert_same_tokens(outputs: list[dict], reference: dict[int, list[int]], what: str) -> None:

@@ -38,8 +38,8 @@ from vllm_semmoe.assets import tiny_moe_path
 pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[1]
-# Prompts whose TP=1 greedy path has no near-tie in its first MAX_TOKENS steps (checked by the
-# ``reference`` fixture). The tiny model has bf16 logits, so exact ties between the top two
+# Prompts whose TP=1 greedy path has no near-tie in its first MAX_TOKENS steps, on most CPUs
+# (checked by the ``reference`` fixture, which keeps the clear ones). The tiny model has bf16 logits, so exact ties between the top two
 # tokens are common (e.g. "Once upon a time, ..." ties "," with "." at step 4), and any
 # parallel mode, or merely another batch composition, may break such a tie the other way.
 PROMPTS = [
@@ -52,6 +52,8 @@ MAX_TOKENS = 16
 #: Smallest accepted gap between the top-2 logprobs along the reference path: one bf16 ulp of
 #: logits in [8, 16) is 0.0625.
 MIN_REFERENCE_MARGIN = 0.06
+#: how many of PROMPTS must have a clear reference path (:func:`clear_outputs`)
+MIN_CLEAR_PROMPTS = 3
 ENGINE_TIMEOUT_S = 240
 SERVER_START_TIMEOUT_S = 300
 
@@ -173,29 +175,39 @@ def _generate(tmp: Path, name: str, *, tp: int, ep: bool, backend: str,
     return json.loads(out.read_text())
 
 
+def clear_outputs(outputs: list[dict]) -> dict[int, dict]:
+    """The reference outputs (by prompt index) that token identity can fairly test: full length,
+    with no near-tie (top-2 gap below ``MIN_REFERENCE_MARGIN``) along the greedy path. Which
+    prompts come near a tie depends on the CPU's bf16 kernels (one that was clear on one
+    machine had a 0.031 gap on another), so at least ``MIN_CLEAR_PROMPTS`` of the prompts must
+    be clear, and the tests compare those."""
+    clear = {i: o for i, o in enumerate(outputs)
+             if len(o["token_ids"]) == MAX_TOKENS and min(o["margins"]) >= MIN_REFERENCE_MARGIN}
+    ties = [f"prompt {i} {PROMPTS[i][:30]!r}: smallest top-2 gap {min(o['margins']):.4f} at step "
+            f"{int(np.argmin(o['margins']))}, {len(o['token_ids'])} tokens"
+            for i, o in enumerate(outputs) if i not in clear]
+    assert len(clear) >= MIN_CLEAR_PROMPTS, (
+        f"only {len(clear)} of {len(outputs)} test prompts have a clear greedy path (replace "
+        "these prompts):\n" + "\n".join(ties))
+    return clear
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Greedy outputs of one process (TP=1, in-process engine) for PROMPTS, checked to be
-    well-conditioned (no near-tie along the greedy path), so that token identity is a fair
-    test of the parallel modes."""
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Greedy outputs of one process (TP=1, in-process engine) for the PROMPTS whose greedy path
+    is well-conditioned on this machine (:func:`clear_outputs`), by prompt index."""
     tmp = tmp_path_factory.mktemp("tp1")
     result = _generate(tmp, "tp1", tp=1, ep=False, backend="uni",
                        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, margins=True)
-    outs = result["outputs"]
-    assert len(outs) == len(PROMPTS)
-    assert all(len(o["token_ids"]) == MAX_TOKENS for o in outs)
-    ties = [f"prompt {i} {PROMPTS[i][:30]!r}: step {step}, top-2 gap {gap:.4f}"
-            for i, o in enumerate(outs) for step, gap in enumerate(o["margins"])
-            if gap < MIN_REFERENCE_MARGIN]
-    assert not ties, ("the test prompts must not have near-ties on their TP=1 greedy path "
-                      "(replace these prompts):\n" + "\n".join(ties))
-    return outs
+    assert len(result["outputs"]) == len(PROMPTS)
+    return clear_outputs(result["outputs"])
 
 
-def _assert_same_tokens(got: list[dict], want: list[dict], what: str) -> None:
+def _assert_same_tokens(got: list[dict], want: dict[int, dict], what: str) -> None:
+    """``got`` (outputs in prompt order) has ``want``'s tokens for every prompt ``want`` holds."""
     diffs = [f"prompt {i} ({PROMPTS[i][:30]!r}):\n  want {w['token_ids']} {w['text']!r}\n"
-             f"  got  {g['token_ids']} {g['text']!r}"
-             for i, (g, w) in enumerate(zip(got, want)) if g["token_ids"] != w["token_ids"]]
+             f"  got  {got[i]['token_ids']} {got[i]['text']!r}"
+             for i, w in want.items() if got[i]["token_ids"] != w["token_ids"]]
     assert not diffs, f"{what} differs from TP=1 greedy output:\n" + "\n".join(diffs)
 
 
@@ -556,7 +568,7 @@ def test_cpu_communicator_gatherv_scatterv(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_tp2_expert_parallel_matches_tp1(reference: list[dict], tmp_path: Path) -> None:
+def test_tp2_expert_parallel_matches_tp1(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + expert parallel (mp executor): greedy tokens identical to TP=1.
 
     Unpatched vLLM 0.32 segfaults here (``cpu_fused_moe`` gets global expert ids and reads past
@@ -595,7 +607,7 @@ def _post_json(url: str, body: dict, headers: dict[str, str], timeout: float):
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "no_ep"])
-def test_serve_dp2_matches_tp1(reference: list[dict], tmp_path: Path,
+def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
                                expert_parallel: bool) -> None:
     """``vllm serve --data-parallel-size 2`` with and without ``--enable-expert-parallel``:
     every completion is HTTP 200 and token-identical to TP=1 greedy output.
@@ -654,8 +666,8 @@ def test_serve_dp2_matches_tp1(reference: list[dict], tmp_path: Path,
                 problems.append(f"prompt {i} rank {rank}: HTTP {status}: {str(body)[:500]}")
                 continue
             choice = body["choices"][0]
-            want = reference[i]
-            if choice.get("token_ids") != want["token_ids"] or choice["text"] != want["text"]:
+            want = reference.get(i)
+            if want is not None and choice.get("token_ids") != want["token_ids"] or choice["text"] != want["text"]:
                 problems.append(f"prompt {i} rank {rank}: want {want['token_ids']} "
                                 f"{want['text']!r}, got {choice.get('token_ids')} "
                                 f"{choice['text']!r}")
@@ -677,7 +689,7 @@ def test_serve_dp2_matches_tp1(reference: list[dict], tmp_path: Path,
             pass
 
 
-def test_tp2_expert_parallel_with_replacement(reference: list[dict], tmp_path: Path) -> None:
+def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
     gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
     from safetensors.torch import load_file
@@ -725,7 +737,7 @@ if __name__ == "__main__":
 """
 
 
-def test_tp2_srs_sag_shuffle(reference: list[dict], tmp_path: Path) -> None:
+def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode: tokens scheduled to their experts' rank, real all-to-all of the
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
     all-to-all actually moved drop (vs the same pipeline with contiguous slices and vLLM's
