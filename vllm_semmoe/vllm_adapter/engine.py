@@ -69,23 +69,16 @@ def flush(llm) -> dict:
 
 
 def run_prompts(model: str, prompts: list[str], *, max_tokens: int, semmoe: dict | None = None,
-                max_model_len: int = 512, one_at_a_time: bool = False,
-                **llm_kwargs) -> tuple[list[list[int]], dict]:
+                max_model_len: int = 512, **llm_kwargs) -> tuple[list[list[int]], dict]:
     """Generate greedily for ``prompts`` with the plugin set to ``semmoe``; return the output
     token ids per prompt and the plugin's summary (capture path, live LAR), then free the engine.
-
-    ``one_at_a_time`` serves each prompt alone (every step's batch is that request only): the
-    reference for engines whose numerics depend on the batch (bfloat16 GEMMs of other shapes).
     """
     import gc
 
     llm = make_llm(model, semmoe, max_model_len=max_model_len, **llm_kwargs)
     try:
         fitted = fit_prompts(llm, prompts, max_model_len, max_tokens)
-        if one_at_a_time:
-            outputs = [out for prompt in fitted for out in generate(llm, [prompt], max_tokens)]
-        else:
-            outputs = generate(llm, fitted, max_tokens)
+        outputs = generate(llm, fitted, max_tokens)
         from .config import SemMoEConfig
 
         config = SemMoEConfig.from_additional_config({"semmoe": semmoe} if semmoe else None)
