@@ -32,6 +32,10 @@ at or below the chosen slack's. With ``--splits 0,1,2,3,4,5,6,7`` (2026-11-30, m
 0.3920, 1.2047; 0.1: 0.3879, 1.1912; 0.125: 0.3876, 1.1834; 0.3: 0.3811, 1.1639; 0.4: 0.3776,
 1.1574; no bound 0.3918, 1.2181). θ 0.175 was then measured once on seeds 0-4 and is not the
 default (benchmarks/SEEDS.md).
+Rerun on 2026-12-01 with today's solver (``--splits 0,...,7 --slacks 0.05 --prices
+0.15,0.175,0.2,0.25``; vanilla 1.1363): slack 0.05: 0.3868, 1.1576; θ 0.15: 0.3889, 1.1665;
+0.175: 0.3891, 1.1577; 0.2: 0.3882, 1.1582; 0.25: 0.3865, 1.1565 → θ 0.25, below the bound's
+LAR: no gain from the price with the restarts.
 
     .venv/bin/python scripts/tune_load_slack.py [--trace PATH] [--splits 0,...] [--prices 0.15,...]
         [--restarts 0,3,...]
