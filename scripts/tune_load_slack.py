@@ -37,8 +37,13 @@ Rerun on 2026-12-01 with today's solver (``--splits 0,...,7 --slacks 0.05 --pric
 0.175: 0.3891, 1.1577; 0.2: 0.3882, 1.1582; 0.25: 0.3865, 1.1565 → θ 0.25, below the bound's
 LAR: no gain from the price with the restarts.
 
-    .venv/bin/python scripts/tune_load_slack.py [--trace PATH] [--splits 0,...] [--prices 0.15,...]
-        [--restarts 0,3,...]
+``--fit-frac`` solves each split on another share of the profile (default 0.5). Printed on
+2026-12-01 with ``--splits 0,1,2,3 --slacks 0.05,0.1,inf`` (LAR, expert imbalance): 0.25:
+vanilla 1.1226; 0.05: 0.3734, 1.1495; 0.1: 0.3798, 1.1569; no bound: 0.3843, 1.1806. 0.75:
+vanilla 1.1510; 0.05: 0.3859, 1.1583; 0.1: 0.3897, 1.1735; no bound: 0.3933, 1.2157.
+
+    .venv/bin/python scripts/tune_load_slack.py [--trace PATH] [--splits 0,...] [--fit-frac 0.5]
+        [--slacks 0.05,...] [--prices 0.15,...] [--restarts 0,3,...]
 """
 
 import argparse
@@ -55,12 +60,12 @@ from vllm_semmoe.trace import load_trace
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 
 
-def held_out(profile, splits, policy, config) -> tuple[float, float]:
-    """Mean (TP LAR, expert imbalance) over the 50/50 ``splits`` of ``profile``, solved on one
-    half and measured on the other."""
+def held_out(profile, splits, policy, config, fit_frac=0.5) -> tuple[float, float]:
+    """Mean (TP LAR, expert imbalance) over the ``splits`` of ``profile``, solved on a
+    ``fit_frac`` share of its requests and measured on the rest."""
     rows = []
     for k in splits:
-        fit, check = profile.split(0.5, k)
+        fit, check = profile.split(fit_frac, k)
         placement = policy.solve(fit, 8, mode="tp", seed=0)
         row = evaluate(check, placement, build_tables(fit, placement, mode="tp"), config)
         rows.append((row["lar"], row["expert_imbalance"]))
@@ -71,7 +76,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
     parser.add_argument("--slacks", default="0.05,0.075,0.1,0.125,0.15,inf")
-    parser.add_argument("--splits", default="0", help="seeds of the 50/50 profile splits, averaged")
+    parser.add_argument("--splits", default="0", help="seeds of the profile splits, averaged")
+    parser.add_argument("--fit-frac", type=float, default=0.5,
+                        help="share of the profile's requests each split solves on (the rest is held out)")
     parser.add_argument("--prices", default="", help="Lagrangian θ values to try (no hard bound)")
     parser.add_argument("--restarts", default="",
                         help="co-clustering restarts to compare at the default slack and without the bound "
@@ -81,18 +88,19 @@ def main() -> None:
     splits = [int(x) for x in args.splits.split(",")]
     config = EvalConfig(mode="tp")
     vanilla = np.mean([evaluate(check, get_policy("vanilla").solve(fit, 8), None, config)["expert_imbalance"]
-                       for fit, check in (profile.split(0.5, k) for k in splits)])
+                       for fit, check in (profile.split(args.fit_frac, k) for k in splits)])
     print(f"vanilla expert_imbalance {vanilla:.4f}")
     if args.restarts:
         for restarts in (int(x) for x in args.restarts.split(",")):
             for slack in (DEFAULT_LOAD_SLACK, np.inf):
-                lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=slack, restarts=restarts), config)
+                lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=slack, restarts=restarts), config,
+                                            args.fit_frac)
                 print(f"restarts {restarts}, load_slack {slack}: lar {lar:.4f}, expert_imbalance {imbalance:.4f}",
                       flush=True)
         return
     slack_rows = {}
     for slack in (float(x) for x in args.slacks.split(",")):
-        lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=slack), config)
+        lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=slack), config, args.fit_frac)
         print(f"load_slack {slack}: lar {lar:.4f}, expert_imbalance {imbalance:.4f}", flush=True)
         if np.isfinite(slack):
             slack_rows[slack] = imbalance
@@ -101,7 +109,8 @@ def main() -> None:
     if args.prices:
         price_rows = {}
         for price in sorted(float(x) for x in args.prices.split(",")):
-            lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=np.inf, load_price=price), config)
+            lar, imbalance = held_out(profile, splits, SemMoEPolicy(load_slack=np.inf, load_price=price), config,
+                                        args.fit_frac)
             print(f"load_price {price}: lar {lar:.4f}, expert_imbalance {imbalance:.4f}", flush=True)
             price_rows[price] = imbalance
         ok = [p for p, imbalance in price_rows.items() if imbalance <= slack_rows[chosen]]
