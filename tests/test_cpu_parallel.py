@@ -39,9 +39,10 @@ pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[1]
 # Prompts whose TP=1 greedy path has no near-tie in its first MAX_TOKENS steps, on most CPUs
-# (checked by the ``reference`` fixture, which keeps the clear ones). The tiny model has bf16 logits, so exact ties between the top two
-# tokens are common (e.g. "Once upon a time, ..." ties "," with "." at step 4), and any
-# parallel mode, or merely another batch composition, may break such a tie the other way.
+# (checked by the ``reference`` fixture, which keeps the clear ones). The tiny model has bf16
+# logits, so exact ties between the top two tokens are common (e.g. "Once upon a time, ..."
+# ties "," with "." at step 4), and any parallel mode, or merely another batch composition,
+# may break such a tie the other way.
 PROMPTS = [
     "The history of the city",
     "<|im_start|>user\nWhat is Python?<|im_end|>\n<|im_start|>assistant\n",
@@ -667,7 +668,9 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
                 continue
             choice = body["choices"][0]
             want = reference.get(i)
-            if want is not None and choice.get("token_ids") != want["token_ids"] or choice["text"] != want["text"]:
+            if want is None:  # not clear on this CPU's reference path: not compared
+                continue
+            if choice.get("token_ids") != want["token_ids"] or choice["text"] != want["text"]:
                 problems.append(f"prompt {i} rank {rank}: want {want['token_ids']} "
                                 f"{want['text']!r}, got {choice.get('token_ids')} "
                                 f"{choice['text']!r}")
