@@ -8,14 +8,14 @@ minimise token-load imbalance plus expected remote activations. Like the paper w
 2. expert step: given the units' devices, place experts, exactly N/E per device, to maximise
    the activations that become local. This is a transportation problem; HiGHS solves it
    exactly (it replaces the paper's greedy placement plus random pair swaps). Expert load
-   (the paper's θ term, by default a constraint): pairwise swaps that cost the least locality
-   then bring every device's profiled expert activations within ``(1 + load_slack)`` of the
-   mean (:func:`balance_swaps`). Optionally (``load_price`` θ > 0, off by default) the swaps go
-   on down to the mean and keep the placement along the way that maximises local share minus
-   θ × expert imbalance, a Lagrangian price that spends the balance where it is cheapest in
-   locality. θ = 0.175 (chosen on profile splits, with the solver before its restarts change)
-   cost 0.97 LAR points instead of 1.07 on seeds 0-4 at a lower expert imbalance, but one
-   seed's TP LAR fell to 0.3878 (< 0.39), so it is not the default; see benchmarks/SEEDS.md.
+   (the paper's θ term): pairwise swaps that cost the least locality per unit of load moved
+   (:func:`balance_swaps`) go from the locality optimum down to the mean, and the placement
+   along the way that maximises local share minus θ × expert imbalance (``load_price``,
+   :data:`DEFAULT_LOAD_PRICE`) is kept: a Lagrangian price, so every layer gives up balance
+   where it is cheapest in locality. A hard bound instead (``load_slack``: every device's
+   profiled expert activations within ``(1 + load_slack)`` of the mean, the default until
+   2026-12-02 at 0.05) costs more locality for the same held-out expert imbalance; see
+   benchmarks/SEEDS.md.
 
 Replication for locality (``R`` redundant slots per device, after the co-clustering): the
 online scheduler is simulated on the profile with the solved placement's tables, and every
@@ -53,9 +53,12 @@ from ..scheduling import balanced_assignment
 from .lp import assign_experts
 
 
-#: default expert-load bound of the solve: a device's profiled expert activations may exceed
-#: the mean by this share (chosen on a split of the seed-0 profile; see benchmarks/SEEDS.md)
-DEFAULT_LOAD_SLACK = 0.05
+#: default θ of the solve's expert-load term: TP LAR given up per unit of a layer's expert
+#: imbalance (max / mean device load). Chosen on 8 50/50 splits of the seed-0 profile, never on
+#: evaluation requests (``scripts/tune_load_slack.py --prices``: the smallest θ whose held-out
+#: expert imbalance is at or below that of the hard bound ``load_slack`` 0.05, the bound chosen
+#: before it); see benchmarks/SEEDS.md
+DEFAULT_LOAD_PRICE = 0.21
 
 
 def local_share(counts: np.ndarray, e2d: np.ndarray, ep_size: int) -> np.ndarray:
@@ -278,7 +281,7 @@ class SemMoEPolicy(PlacementPolicy):
     supports_redundant = True
 
     def __init__(self, eps: float = 0.05, iters: int = 12, restarts: int = 6,
-                 load_slack: float = DEFAULT_LOAD_SLACK, load_price: float = 0.0):
+                 load_slack: float = np.inf, load_price: float = DEFAULT_LOAD_PRICE):
         self.eps, self.iters, self.restarts = eps, iters, restarts
         self.load_slack, self.load_price = load_slack, load_price
 

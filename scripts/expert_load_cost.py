@@ -1,12 +1,14 @@
-"""What Sem-MoE's expert-load bound costs in TP LAR (issue 10: at most one point), per split seed.
+"""What Sem-MoE's expert-load term costs in TP LAR (issue 10: at most one point), per split seed.
 
 For each seed the DeepSeek-V2-Lite dev trace's requests are split as ``semmoe eval
 --profile-frac 0.2 --seeds ...`` splits them; Sem-MoE is solved on the profile (TP, EP 8) with
-the default bound (``policy.semmoe.DEFAULT_LOAD_SLACK``) and without it (``load_slack=inf``),
-and both are evaluated on the other 80% with Sem-MoE's tables, beside vanilla's expert
-imbalance. Prints per seed and mean ± sd (sample sd) of LAR, expert imbalance and the cost.
+the default load term (the Lagrangian price ``policy.semmoe.DEFAULT_LOAD_PRICE``) and without
+any (``load_slack=inf, load_price=0``), and both are evaluated on the other 80% with Sem-MoE's
+tables, beside vanilla's expert imbalance. Prints per seed and mean ± sd (sample sd) of LAR,
+expert imbalance and the cost. ``--load-slack S`` measures the hard bound ``S`` instead (no
+price; 0.05 was the default until 2026-12-02).
 
-    .venv/bin/python scripts/load_bound_cost.py [--trace PATH] [--seeds 0,1,2,3,4]
+    .venv/bin/python scripts/expert_load_cost.py [--trace PATH] [--seeds 0,1,2,3,4] [--load-slack S]
 """
 
 import argparse
@@ -27,23 +29,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
     parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--load-slack", type=float, default=None,
+                        help="measure this hard bound (no price) instead of the default load term")
     args = parser.parse_args()
+    loaded = SemMoEPolicy() if args.load_slack is None else SemMoEPolicy(load_slack=args.load_slack, load_price=0.0)
+    free = SemMoEPolicy(load_slack=np.inf, load_price=0.0)
     trace, config = load_trace(args.trace), EvalConfig(mode="tp")
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         profile, held_out = trace.split(0.2, seed)
         row = []
-        for policy in (SemMoEPolicy(), SemMoEPolicy(load_slack=np.inf)):
+        for policy in (loaded, free):
             placement = policy.solve(profile, 8, mode="tp", seed=seed)
             figures = evaluate(held_out, placement, build_tables(profile, placement, mode="tp"), config)
             row += [figures["lar"], figures["expert_imbalance"]]
         row.append(evaluate(held_out, get_policy("vanilla").solve(profile, 8), None, config)["expert_imbalance"])
         rows.append(row + [100 * (row[2] - row[0])])
-        print(f"seed {seed}: bound lar {row[0]:.4f} expert_imbalance {row[1]:.4f}; no bound lar {row[2]:.4f} "
+        print(f"seed {seed}: load term lar {row[0]:.4f} expert_imbalance {row[1]:.4f}; no load term lar {row[2]:.4f} "
               f"expert_imbalance {row[3]:.4f}; vanilla expert_imbalance {row[4]:.4f}; cost {rows[-1][5]:.2f} "
               "LAR points", flush=True)
     mean, sd = np.mean(rows, axis=0), np.std(rows, axis=0, ddof=1) if len(rows) > 1 else np.zeros(6)
-    names = ("bound lar", "bound expert_imbalance", "no bound lar", "no bound expert_imbalance",
+    names = ("load term lar", "load term expert_imbalance", "no load term lar", "no load term expert_imbalance",
              "vanilla expert_imbalance", "cost (LAR points)")
     print("; ".join(f"{n} {m:.4f}±{s:.4f}" for n, m, s in zip(names, mean, sd)))
 
