@@ -16,10 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe.evaluate import EvalConfig, evaluate
-from vllm_semmoe.policy import get_policy
+from vllm_semmoe.evaluate import EvalConfig, compare_seeds
 from vllm_semmoe.policy.semmoe import SemMoEPolicy
-from vllm_semmoe.tables import build_tables
 from vllm_semmoe.trace import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
@@ -33,22 +31,19 @@ def main() -> None:
                         help="measure this hard bound (no price) instead of the default load term")
     args = parser.parse_args()
     loaded = SemMoEPolicy() if args.load_slack is None else SemMoEPolicy(load_slack=args.load_slack, load_price=0.0)
-    free = SemMoEPolicy(load_slack=np.inf, load_price=0.0)
-    trace, config = load_trace(args.trace), EvalConfig(mode="tp")
-    rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        profile, held_out = trace.split(0.2, seed)
-        row = []
-        for policy in (loaded, free):
-            placement = policy.solve(profile, 8, mode="tp", seed=seed)
-            figures = evaluate(held_out, placement, build_tables(profile, placement, mode="tp"), config)
-            row += [figures["lar"], figures["expert_imbalance"]]
-        row.append(evaluate(held_out, get_policy("vanilla").solve(profile, 8), None, config)["expert_imbalance"])
-        rows.append(row + [100 * (row[2] - row[0])])
+    policies = {"semmoe": loaded, "semmoe-noload": SemMoEPolicy(load_slack=np.inf, load_price=0.0)}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = compare_seeds(load_trace(args.trace), 0.2, seeds, 8, ["vanilla", *policies], EvalConfig(mode="tp"),
+                        policies=policies)
+    figure = {(name, key): np.asarray(out[name][key]["per_seed"])
+              for name in out for key in ("lar", "expert_imbalance")}
+    columns = [figure["semmoe", "lar"], figure["semmoe", "expert_imbalance"], figure["semmoe-noload", "lar"],
+               figure["semmoe-noload", "expert_imbalance"], figure["vanilla", "expert_imbalance"]]
+    rows = np.stack(columns + [100 * (columns[2] - columns[0])], axis=1)  # [seeds, 6]
+    for seed, row in zip(seeds, rows):
         print(f"seed {seed}: load term lar {row[0]:.4f} expert_imbalance {row[1]:.4f}; no load term lar {row[2]:.4f} "
-              f"expert_imbalance {row[3]:.4f}; vanilla expert_imbalance {row[4]:.4f}; cost {rows[-1][5]:.2f} "
-              "LAR points", flush=True)
-    mean, sd = np.mean(rows, axis=0), np.std(rows, axis=0, ddof=1) if len(rows) > 1 else np.zeros(6)
+              f"expert_imbalance {row[3]:.4f}; vanilla expert_imbalance {row[4]:.4f}; cost {row[5]:.2f} LAR points")
+    mean, sd = rows.mean(axis=0), rows.std(axis=0, ddof=1) if len(rows) > 1 else np.zeros(6)
     names = ("load term lar", "load term expert_imbalance", "no load term lar", "no load term expert_imbalance",
              "vanilla expert_imbalance", "cost (LAR points)")
     print("; ".join(f"{n} {m:.4f}±{s:.4f}" for n, m, s in zip(names, mean, sd)))

@@ -90,7 +90,7 @@ def main() -> None:
                         help="share of the profile's requests each split solves on (the rest is held out)")
     parser.add_argument("--prices", default="", help="Lagrangian θ values to try (no hard bound)")
     parser.add_argument("--restarts", default="",
-                        help="co-clustering restarts to compare at the default slack and without the bound "
+                        help="co-clustering restarts to compare at slack BOUND_SLACK and without the bound "
                              "(0: every layer after the first only from the previous layer's clusters)")
     args = parser.parse_args()
     profile, _ = load_trace(args.trace).split(0.2, 0)

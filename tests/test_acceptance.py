@@ -23,9 +23,8 @@ import os
 import numpy as np
 import pytest
 
-from vllm_semmoe.evaluate import EvalConfig, compare_methods, compare_seeds, evaluate, placement_cache
+from vllm_semmoe.evaluate import EvalConfig, compare_methods, compare_seeds, placement_cache
 from vllm_semmoe.policy.semmoe import SemMoEPolicy
-from vllm_semmoe.tables import build_tables
 
 SEEDS = [0, 1, 2, 3, 4]
 CACHE_DIR = os.environ.get("SEMMOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vllm-semmoe"))
@@ -77,14 +76,9 @@ def test_tp_expert_load_term_costs_at_most_one_point(dev_trace, cache, tp):
     """Issue 10's price of balance: the default expert-load term (the Lagrangian θ) against the
     same solver with none, TP LAR on the same splits, at most one point on the seeds' mean
     (``scripts/expert_load_cost.py`` prints the same figures)."""
-    free = SemMoEPolicy(load_slack=np.inf, load_price=0.0)
-    lar = []
-    for seed in SEEDS:
-        profile, trace = dev_trace.split(0.2, seed)
-        key = f"semmoe-noload-{profile.fingerprint()}-ep8-tp-s{seed}-r0"
-        placement = cache(key, lambda: free.solve(profile, 8, mode="tp", seed=seed))
-        lar.append(evaluate(trace, placement, build_tables(profile, placement, mode="tp"), EvalConfig(mode="tp"))["lar"])
-    cost = 100 * (np.asarray(lar) - seeds(tp[0]["semmoe"]["lar"]))  # LAR points, per seed
+    free = {"semmoe-noload": SemMoEPolicy(load_slack=np.inf, load_price=0.0)}
+    rows = compare_seeds(dev_trace, 0.2, SEEDS, 8, list(free), EvalConfig(mode="tp"), solve_cache=cache, policies=free)
+    cost = 100 * (seeds(rows["semmoe-noload"]["lar"]) - seeds(tp[0]["semmoe"]["lar"]))  # LAR points, per seed
     assert cost.mean() <= 1.0  # seeds 0-4: [0.68, 1.03, 0.43, 0.80, 1.08], mean 0.80
     assert np.all(cost <= 1.3) and np.all(cost > 0)
 

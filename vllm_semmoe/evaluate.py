@@ -279,7 +279,8 @@ def _dp_ranks(trace, tables, ep_size, config):
 
 def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, methods: list[str],
                     config: EvalConfig, *, seed: int = 0, redundant: int = 0, progress=None,
-                    solve_cache=None, embedding: np.ndarray | None = None) -> dict[str, dict]:
+                    solve_cache=None, embedding: np.ndarray | None = None,
+                    policies: dict | None = None) -> dict[str, dict]:
     """Solve every method on ``profile`` and evaluate it on ``trace`` side by side.
 
     Each row holds :func:`evaluate`'s figures for the method as deployed (``semmoe`` with its
@@ -294,11 +295,14 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
     may return a stored placement for ``key`` instead of solving (tests cache solves with it).
     ``embedding``: optional ``[V, H]`` model embedding; unseen tokens then use their nearest
     profiled neighbour (:func:`.tables.nearest_profiled_rows`).
+    ``policies``: optional ``{method: PlacementPolicy}`` solving those rows instead of the
+    registry's policy of that name, e.g. a Sem-MoE variant under its own row (and cache) name;
+    a row is deployed with its tables when its policy is Sem-MoE's.
     """
     config = _with_decode_weight(config, profile)
     rows = {}
     for name in methods:
-        policy = get_policy(name)
+        policy = (policies or {}).get(name) or get_policy(name)
         R = redundant if policy.supports_redundant else 0
         start = time.perf_counter()
 
@@ -313,7 +317,7 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
         solve_s = time.perf_counter() - start
         tables = build_tables(profile, placement, mode=config.mode, embedding=embedding)
         scheduled = evaluate(trace, placement, tables, config)
-        row = scheduled if name == "semmoe" else evaluate(trace, placement, None, config)
+        row = scheduled if policy.name == "semmoe" else evaluate(trace, placement, None, config)
         row = dict(row, lar_with_semmoe_sched=scheduled["lar"], solve_s=solve_s, redundant=R,
                    experts_per_device=placement.experts_per_device)
         rows[name] = row
@@ -334,14 +338,15 @@ def _with_decode_weight(config: EvalConfig, profile: RoutingTrace) -> EvalConfig
 
 def compare_seeds(trace: RoutingTrace, profile_frac: float, seeds: list[int], ep_size: int,
                   methods: list[str], config: EvalConfig, *, redundant: int = 0, progress=None,
-                  solve_cache=None) -> dict[str, dict]:
+                  solve_cache=None, policies: dict | None = None) -> dict[str, dict]:
     """:func:`compare_methods` on the request split of every seed (profile ``profile_frac``,
     evaluate the rest; the seed also seeds the solvers), aggregated by :func:`aggregate_seeds`."""
     per_seed = []
     for seed in seeds:
         profile, held_out = trace.split(profile_frac, seed)
         per_seed.append(compare_methods(profile, held_out, ep_size, methods, config, seed=seed,
-                                        redundant=redundant, progress=progress, solve_cache=solve_cache))
+                                        redundant=redundant, progress=progress, solve_cache=solve_cache,
+                                        policies=policies))
     return aggregate_seeds(per_seed)
 
 
