@@ -607,11 +607,15 @@ def _post_json(url: str, body: dict, headers: dict[str, str], timeout: float):
         return err.code, err.read().decode(errors="replace")
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "no_ep"])
+@pytest.mark.parametrize("expert_parallel,replicas", [(True, False), (False, False), (True, True)],
+                         ids=["ep", "no_ep", "ep_replicas"])
 def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
-                               expert_parallel: bool) -> None:
+                               expert_parallel: bool, replicas: bool) -> None:
     """``vllm serve --data-parallel-size 2`` with and without ``--enable-expert-parallel``:
-    every completion is HTTP 200 and token-identical to TP=1 greedy output.
+    every completion is HTTP 200 and token-identical to TP=1 greedy output. ``ep_replicas``:
+    the plugin serves a Sem-MoE placement with one replica slot per rank (tables solved with
+    ``--redundant 1``; MoE layers built with vLLM EPLB's redundant-slot layout, each rank's
+    tokens served by its own copies, the sparse dispatch), with the same result.
 
     Unpatched vLLM 0.32 answers HTTP 500 (``CpuCommunicator.all_gatherv`` not implemented):
     with EP the experts are split between the DP ranks, without it each expert's intermediate
@@ -628,6 +632,16 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
         "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
     if expert_parallel:
         cmd.append("--enable-expert-parallel")
+    if replicas:
+        from vllm_semmoe.policy import get_policy
+        from vllm_semmoe.synthetic import synthetic_trace
+        from vllm_semmoe.tables import build_tables
+
+        trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
+        build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="dp", redundant=1), mode="dp").save(
+            tmp_path / "tables")
+        cmd += ["--additional-config", json.dumps({"semmoe": {"tables": str(tmp_path / "tables"),
+                                                              "dispatch": "sparse"}})]
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=_engine_env(tmp_path), stdout=out,
@@ -674,8 +688,12 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
                 problems.append(f"prompt {i} rank {rank}: want {want['token_ids']} "
                                 f"{want['text']!r}, got {choice.get('token_ids')} "
                                 f"{choice['text']!r}")
-        mode = "serve DP=2" + (" + EP" if expert_parallel else "")
+        mode = "serve DP=2" + (" + EP" if expert_parallel else "") + (", 1 replica slot per rank" if replicas else "")
         assert not problems, f"{mode}:\n" + "\n".join(problems) + f"\n{_tail(log, 30)}"
+        if replicas:  # the placement and its replica slots were installed on both ranks
+            text = log.read_text()
+            assert text.count("1 replica slot(s) per rank, this rank's copies preferred") == 2, _tail(log, 30)
+            assert text.count("self-check passed") == 2, _tail(log, 30)
 
         proc.send_signal(signal.SIGTERM)
         try:
@@ -732,6 +750,9 @@ def main():
                                                        ignore_eos=True), use_tqdm=False)
     result = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outs],
               "summaries": llm.collective_rpc(flush_capture)}
+    if cfg.get("fingerprints"):
+        from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
+        result["fingerprints"] = llm.collective_rpc(local_expert_fingerprints)
     with open(cfg["out"], "w") as f:
         json.dump(result, f, default=float)
 
@@ -822,6 +843,60 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None
     total["stock"] = stock["collective_bytes"] / stock["real_tokens"]
     print("collective bytes per token (both ranks), TP 2 + EP 2:", json.dumps(total))
     assert total["semmoe"] < total["vanilla"], total
+
+
+def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path) -> None:
+    """TP=2 + EP in ``tp`` mode with tables solved with one replica slot per rank (``--redundant
+    1``): the MoE layers are built with vLLM EPLB's layout of ``E * R`` redundant slots, each
+    rank's ``N/E + R`` slots hold the checkpoint experts the placement gives it (weights compared
+    with the checkpoint's), greedy tokens equal TP=1's, and the activations the engine's
+    all-to-all found local rise over the same solver without replicas by at least the offline
+    prediction's rise on the captured routing, less 2 points."""
+    from safetensors.torch import load_file
+
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.prompts import load_prompts
+    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.vllm_adapter.engine import run_prompts
+
+    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
+    run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
+                semmoe={"capture": str(tmp_path / "profile.npz")})
+    profile = load_trace(tmp_path / "profile.npz")
+    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
+    runs = {}
+    for R in (0, 1):
+        placement = get_policy("semmoe").solve(profile, 2, mode="tp", redundant=R)
+        assert placement.redundant == R
+        build_tables(profile, placement, mode="tp").save(tmp_path / f"r{R}")
+        out = tmp_path / f"r{R}.json"
+        cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
+               "fingerprints": True,
+               "semmoe": {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
+                          "capture": str(tmp_path / f"r{R}_served.npz")}}
+        _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
+            tmp_path / f"r{R}.log", ENGINE_TIMEOUT_S)
+        result = json.loads(out.read_text())
+        _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
+        slots = placement.experts_per_device
+        p2l = placement.physical_to_logical()
+        for rank, per_layer in enumerate(result["fingerprints"]):
+            for layer, local_sums in enumerate(per_layer):
+                assert len(local_sums) == slots, (rank, layer, len(local_sums))
+                want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
+                        for e in p2l[layer][rank * slots:(rank + 1) * slots]]
+                assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (R, rank, layer)
+        counters = [s["tp_shuffle"] for s in result["summaries"]]
+        local = sum(c["local_activations"] for c in counters)
+        remote = sum(c["remote_activations"] for c in counters)
+        runs[R] = {"lar": local / (local + remote), "replayed": result["summaries"][0]["replayed"]["lar"],
+                   "bytes_per_token": sum(c["dispatch_bytes"] + c["combine_bytes"] for c in counters)
+                   / sum(c["tokens"] for c in counters)}
+    print("TP shuffle with and without replicas:", json.dumps(runs))
+    assert runs[1]["lar"] - runs[0]["lar"] >= runs[1]["replayed"] - runs[0]["replayed"] - 0.02, runs
+    assert runs[1]["lar"] > runs[0]["lar"], runs
 
 
 def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:

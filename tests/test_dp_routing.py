@@ -89,32 +89,43 @@ def test_tables_must_split_over_ranks(tables):
         DpRouter(tables, 3)
 
 
-def _rank_counters(workdir, policy: str) -> list[dict]:
-    return [json.loads((workdir / f"served_{policy}.dp{rank}.npz.live.json").read_text()) for rank in range(2)]
+def _rank_counters(workdir, name: str) -> list[dict]:
+    return [json.loads((workdir / f"served_{name}.dp{rank}.npz.live.json").read_text()) for rank in range(2)]
 
 
-def _remote_rows(workdir, policy: str, rank: int, tables_dir: str) -> int:
+def _remote_rows(workdir, name: str, rank: int, tables_dir: str) -> int:
     """Rows ``rank`` must send, from its captured routing: per token and MoE layer, one per
-    other rank holding one of the token's experts (the send set, computed here independently)."""
-    tables = load_tables(tables_dir)
-    l2p = tables.placement.logical_to_physical()  # [L, N] logical -> physical slot
-    _, steps, _ = read_segment(str(workdir / f"served_{policy}.npz.parts" / f"dp{rank}.seg"))
+    other rank that serves one of the token's experts (the send set, computed here
+    independently): the rank's own copy where it holds one, else the expert's home rank."""
+    placement = load_tables(tables_dir).placement
+    holds = placement.holds()  # [L, N, E]
+    home = placement.expert_device  # [L, N]
+    _, steps, _ = read_segment(str(workdir / f"served_{name}.npz.parts" / f"dp{rank}.seg"))
     experts = np.concatenate([step["experts"] for step in steps])  # [n, L, K] logical
-    dest = l2p[np.arange(experts.shape[1])[None, :, None], experts] // (l2p.shape[1] // 2)
+    layers = np.arange(experts.shape[1])[None, :, None]
+    dest = np.where(holds[layers, experts, rank], rank, home[layers, experts])
     return int(sum((dest == other).any(axis=-1).sum() for other in range(2) if other != rank))
 
 
 def _serve_policies(model, tmp_path, policies, num_prompts=40, concurrency=8) -> dict:
     dataset = str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz")
-    runs = {policy: run_bench_serve(str(model), dataset, str(tmp_path), dp=2, policy=policy, num_prompts=num_prompts,
-                                    concurrency=concurrency, max_tokens=8, profile_prompts=60)
-            for policy in policies}
+    runs = {}
+    for name in policies:  # "<policy>" or "<policy>_r<R>": R replica slots per rank
+        policy, _, R = name.partition("_r")
+        runs[name] = run_bench_serve(str(model), dataset, str(tmp_path), dp=2, policy=policy, num_prompts=num_prompts,
+                                     concurrency=concurrency, max_tokens=8, profile_prompts=60,
+                                     redundant=int(R or 0))
     for run in runs.values():
         assert run["ok"] == num_prompts and run["failed"] == 0, run["errors"]
         assert all(tokens > 0 for tokens in run["rank_prompt_tokens"])
         assert 0.0 < run["live_lar"] < 1.0
         json.dumps(run)
     return runs
+
+
+def _run_name(run: dict) -> str:
+    """What :func:`run_bench_serve` names a run's capture and counters by (``served_<name>...``)."""
+    return f"{run['policy']}{'_r%d' % run['redundant'] if run['redundant'] else ''}"
 
 
 def _check_counters(model, tmp_path, runs) -> None:
@@ -129,9 +140,11 @@ def _check_counters(model, tmp_path, runs) -> None:
     config = json.loads((Path(model) / "config.json").read_text())
     row = config["hidden_size"] * 2  # bfloat16
     layers = load_tables(str(tmp_path / "tables_vanilla_dp2")).num_layers
-    for policy, run in runs.items():
-        ranks = _rank_counters(tmp_path, policy)
+    for name, run in runs.items():
+        policy = run["policy"]
+        ranks = _rank_counters(tmp_path, _run_name(run))
         method = "vanilla" if policy in ("vllm", "sparse") else "semmoe"
+        tables = f"tables_{method}_dp2{'_r%d' % run['redundant'] if run['redundant'] else ''}"
         for rank, live in enumerate(ranks):
             traffic = live["moe_traffic"]
             assert traffic["tokens"] >= live["tokens"] * layers, (policy, rank)
@@ -139,7 +152,7 @@ def _check_counters(model, tmp_path, runs) -> None:
                 assert traffic["dispatch_bytes"] == traffic["tokens"] * row, (policy, rank)
                 assert traffic["combine_bytes"] == ranks[1 - rank]["moe_traffic"]["tokens"] * row, (policy, rank)
             else:
-                captured = _remote_rows(tmp_path, policy, rank, str(tmp_path / f"tables_{method}_dp2")) * row
+                captured = _remote_rows(tmp_path, _run_name(run), rank, str(tmp_path / tables)) * row
                 dummy_rows = traffic["tokens"] - live["tokens"] * layers
                 assert captured <= traffic["dispatch_bytes"] <= captured + dummy_rows * row, (policy, rank)
                 assert traffic["combine_bytes"] == ranks[1 - rank]["moe_traffic"]["dispatch_bytes"], (policy, rank)
@@ -156,15 +169,23 @@ def _check_counters(model, tmp_path, runs) -> None:
 
 def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(tmp_path):
     """DP 2 + EP on the tiny model, the same 40 prompts served by stock vLLM (metered), by stock
-    vLLM with the sparse dispatch, and by Sem-MoE (placement, routing, sparse dispatch): the
-    sparse dispatch gives stock vLLM's text, token for token; the engines' byte counters are
-    what the routing implies (:func:`_check_counters`); Sem-MoE moves fewer bytes than the
-    sparse dispatch alone, which moves fewer than stock."""
-    runs = _serve_policies(tiny_moe_path(), tmp_path, ("vllm", "sparse", "semmoe"))
+    vLLM with the sparse dispatch, and by Sem-MoE (placement, routing, sparse dispatch) without
+    and with one replica slot per rank: the sparse dispatch gives stock vLLM's text, token for
+    token; the engines' byte counters are what the routing implies (:func:`_check_counters`,
+    replicas serving their own rank's tokens); Sem-MoE moves fewer bytes than the sparse
+    dispatch alone, which moves fewer than stock, and the replica slot raises the engines' LAR
+    and cuts their bytes. (Replicas' exactness: ``test_serve_dp2_matches_tp1[ep_replicas]``.)"""
+    runs = _serve_policies(tiny_moe_path(), tmp_path, ("vllm", "sparse", "semmoe", "semmoe_r1"))
     assert runs["sparse"]["outputs"] == runs["vllm"]["outputs"]
     _check_counters(tiny_moe_path(), tmp_path, runs)
     assert runs["semmoe"]["moe_bytes_per_token"] < runs["sparse"]["moe_bytes_per_token"] \
         < runs["vllm"]["moe_bytes_per_token"]
+    print("DP 2 + EP, live LAR and MoE bytes per token:",
+          json.dumps({name: [run["live_lar"], run["moe_bytes_per_token"]] for name, run in runs.items()}))
+    # the replica slot serves this rank's tokens: more activations local, fewer bytes
+    assert runs["semmoe_r1"]["live_lar"] > runs["semmoe"]["live_lar"]
+    assert runs["semmoe_r1"]["moe_bytes_per_token"] < runs["semmoe"]["moe_bytes_per_token"]
     log = (tmp_path / "server_semmoe.log").read_text()
     assert "Sem-MoE DP routing over 2 ranks" in log and "sparse EP MoE dispatch on 4 MoE layers" in log
+    assert "1 replica slot(s) per rank" in (tmp_path / "server_semmoe_r1.log").read_text()
 

@@ -110,16 +110,36 @@ def test_damaged_manifest(tables_dir, manifest, message):
         SemMoEConfig(tables=str(tables_dir)).load_tables(num_layers=None, num_experts=32, ep_size=1)
 
 
-def test_replicated_tables_are_refused_at_engine_start(tmp_path):
-    """Replica slots are evaluated offline; the plugin says so instead of serving them wrongly."""
+def test_replicated_tables_are_refused_where_replicas_cannot_serve(tmp_path):
+    """Replica slots serve a token on the rank that routes it: DP ranks (TP 1) or the TP shuffle
+    (DP 1). Other layouts, no expert parallelism and vLLM's EPLB are refused, naming the fix."""
+    from types import SimpleNamespace
+
+    from vllm_semmoe.modes import ServingMode
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.vllm_adapter.config import PLACEMENT_ONLY, replica_token_device
 
     trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=256, num_requests=20)
     build_tables(trace, get_policy("semmoe").solve(trace, 2, redundant=1)).save(tmp_path / "r")
-    with pytest.raises(SemMoEConfigError, match=r"every rank 1 replica slot\(s\) .*--redundant 0"):
-        SemMoEConfig(tables=str(tmp_path / "r")).load_tables(num_layers=2, num_experts=8, ep_size=2)
+    tables = SemMoEConfig(tables=str(tmp_path / "r")).load_tables(num_layers=2, num_experts=8, ep_size=2)
+
+    def layout(dp=1, tp=1, ep=True, eplb=False):
+        return SimpleNamespace(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                               enable_eplb=eplb)
+
+    assert replica_token_device(tables, PLACEMENT_ONLY, layout(dp=2), 1) == 1
+    assert replica_token_device(tables, ServingMode.TP, layout(tp=2), 0) == 0
+    with pytest.raises(SemMoEConfigError, match=r"--redundant 1 serve a token from a replica on the rank that "
+                                                r"routes it, which needs DP ranks with TP 1 or mode 'tp'"):
+        replica_token_device(tables, PLACEMENT_ONLY, layout(tp=2), 0)
+    with pytest.raises(SemMoEConfigError, match=r"running DP 2, TP 2"):
+        replica_token_device(tables, ServingMode.DP, layout(dp=2, tp=2), 0)
+    with pytest.raises(SemMoEConfigError, match=r"--enable-expert-parallel over 2 or more ranks"):
+        replica_token_device(tables, PLACEMENT_ONLY, layout(dp=2, ep=False), 0)
+    with pytest.raises(SemMoEConfigError, match=r"vLLM's EPLB would move them: remove --enable-eplb"):
+        replica_token_device(tables, ServingMode.DP, layout(dp=2, eplb=True), 0)
 
 
 def test_tables_directory_without_arrays(tables_dir):

@@ -173,6 +173,26 @@ def test_replicated_placement_layout_matches_vllm_eplb(small_trace, mode):
     np.testing.assert_array_equal(np.sort(back.replicas, axis=2), np.sort(placement.replicas, axis=2))
 
 
+def test_device_map_prefers_the_devices_own_copy():
+    """``device_map(d)``: device ``d``'s copy (home or replica) of every expert it holds, the
+    home slot of the others; ``None`` (and ``R = 0``): home slots."""
+    # 2 devices, experts 0,1 at home on 0 and 2,3 on 1; device 0 replicates 3, device 1 expert 0
+    placement = Placement(np.array([[0, 0, 1, 1]]), 2, replicas=np.array([[[3], [0]]]))
+    p2l = placement.physical_to_logical()
+    np.testing.assert_array_equal(p2l, [[0, 1, 3, 2, 3, 0]])
+    np.testing.assert_array_equal(placement.device_map(None), [[0, 1, 3, 4]])
+    np.testing.assert_array_equal(placement.device_map(0), [[0, 1, 3, 2]])
+    np.testing.assert_array_equal(placement.device_map(1), [[5, 1, 3, 4]])
+    for d in (0, 1):
+        np.testing.assert_array_equal(p2l[0, placement.device_map(d)[0]], np.arange(4))  # the same experts
+        local = placement.device_map(d)[0] // placement.experts_per_device == d
+        np.testing.assert_array_equal(local, placement.holds()[0, :, d])
+    plain = Placement(np.array([[0, 0, 1, 1]]), 2)
+    np.testing.assert_array_equal(plain.device_map(1), plain.logical_to_physical())
+    with pytest.raises(ValueError, match="outside"):
+        placement.device_map(2)
+
+
 def test_replicas_are_validated():
     e2d = np.array([[0, 0, 1, 1]])
     with pytest.raises(PlacementError, match="device 0 replicates expert 1, which it already holds"):

@@ -161,6 +161,25 @@ class Placement:
             fill[rows, p2l[:, p]] += 1
         return out
 
+    def device_map(self, device: int | None) -> np.ndarray:
+        """``[L, N]`` int64: the physical slot each logical expert is served from for tokens on
+        ``device``: the device's own copy (home or replica) where it holds one, else the
+        expert's home slot. ``None``: home slots for every token (:meth:`logical_to_physical`).
+
+        This is how a serving rank maps its own tokens' experts (a replica serves the tokens of
+        the device holding it). It differs from :meth:`serving_device` only in *which* remote
+        copy serves a remote activation (here always the home copy), so local activations are
+        the same.
+        """
+        copies = self.logical_to_physical_map()  # [L, N, C] physical slots, home first, -1 padded
+        if device is None or not self.redundant:
+            return copies[:, :, 0]
+        if not 0 <= int(device) < self.ep_size:
+            raise ValueError(f"device {device} outside [0, {self.ep_size})")
+        mine = (copies >= 0) & (copies // self.experts_per_device == int(device))
+        local = np.take_along_axis(copies, mine.argmax(axis=2)[..., None], axis=2)[..., 0]
+        return np.where(mine.any(axis=2), local, copies[:, :, 0])
+
     def serving_device(self, experts: np.ndarray, token_device: np.ndarray) -> np.ndarray:
         """Which device computes each activation, given where its token is.
 

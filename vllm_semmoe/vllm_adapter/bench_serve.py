@@ -130,9 +130,11 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 300, dp_balance: float | None = None,
-                    dtype: str = "bfloat16") -> dict:
+                    dtype: str = "bfloat16", redundant: int = 0) -> dict:
     """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
-    measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP)."""
+    measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP).
+    ``redundant``: replica slots per rank of the Sem-MoE placement (the policies on stock
+    vLLM's placement have none)."""
     if tp > 1 and dp != 1:
         raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
     policies = TP_POLICIES if tp > 1 else POLICIES
@@ -152,11 +154,13 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
         (method, mode), dispatch = TP_POLICIES[policy], None
     else:
         method, mode, dispatch = POLICIES[policy]
-    tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}")
+    R = int(redundant) if method == "semmoe" else 0
+    replicas = f"_r{R}" if R else ""
+    tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}{replicas}")
     if not os.path.isdir(tables_dir):
-        build_tables(trace, get_policy(method).solve(trace, ep, mode=solve_mode),
+        build_tables(trace, get_policy(method).solve(trace, ep, mode=solve_mode, redundant=R),
                      mode=solve_mode).save(tables_dir)
-    capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}.npz")
+    capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}{replicas}.npz")
     for stale in set(glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*"))):
         os.remove(stale)
     shutil.rmtree(capture + ".parts", ignore_errors=True)
@@ -164,7 +168,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log_path = os.path.join(workdir, f"server_{policy}.log")
+    log_path = os.path.join(workdir, f"server_{policy}{replicas}.log")
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--enforce-eager", "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
@@ -192,6 +196,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     summary = _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens)
     summary["metrics"] = metrics
     summary["dtype"] = dtype
+    summary["redundant"] = R
     return summary
 
 

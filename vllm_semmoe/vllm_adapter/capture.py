@@ -39,6 +39,8 @@ class RoutingRecorder:
         num_layers: MoE layers in the model; top_k: experts per token.
         placement: the placement applied at load time (``None``: physical = logical ids); only
             the live DP counters use it (to tell which rank's slots an activation hit).
+        token_device: the device whose copies the routers prefer (replicas,
+            :meth:`~vllm_semmoe.placement.Placement.device_map`; ``None``: home copies).
         vocab: token strings (index = token id) and ``vocab_size``.
 
     ``store`` (a :class:`~vllm_semmoe.capture_store.SegmentWriter`, set by :meth:`open_store`)
@@ -46,9 +48,9 @@ class RoutingRecorder:
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
-                 vocab: list[str], vocab_size: int):
+                 vocab: list[str], vocab_size: int, token_device: int | None = None):
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        self.l2p = placement.logical_to_physical() if placement is not None else None
+        self.l2p = placement.device_map(token_device) if placement is not None else None
         self.vocab, self.vocab_size = vocab, vocab_size
         self.num_steps = 0  # steps recorded since start
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens, logical experts) not metered yet
@@ -220,18 +222,20 @@ class LiveCounters:
     bytes).
 
     Args:
+        num_slots: physical expert slots of a MoE layer (``N + E*R``), ``ep_size`` EP ranks
+            holding equal shares in order.
         dp_size: ``> 1``: count this DP rank's local / remote activations here; ``1``: the
             exchange counts them (TP shuffle) or nothing is remote (one EP rank per token).
     """
 
-    def __init__(self, path: str, dp_rank: int, dp_size: int, num_experts: int, ep_size: int,
+    def __init__(self, path: str, dp_rank: int, dp_size: int, num_slots: int, ep_size: int,
                  traffic: dict | None = None, tp_rank: int = 0):
         self.path = path
         self.traffic = traffic  # the engine's MoE exchange counters (read, written with the rest)
         self.dp_rank, self.tp_rank = dp_rank, tp_rank
         self.counts_locality = dp_size > 1
         group = ep_size // dp_size
-        per_device = num_experts // ep_size
+        per_device = num_slots // ep_size
         self.first_slot = dp_rank * group * per_device
         self.end_slot = (dp_rank + 1) * group * per_device
         self.local = self.remote = self.prompt_tokens = self.tokens = self.steps = 0

@@ -89,12 +89,13 @@ def validate_against_model(config, vllm_config) -> None:
     model family's layout is known (:func:`~.config.moe_layer_count`); it is checked again once
     the model is built.
     """
-    from .config import SemMoEConfigError, expert_parallel_size, moe_layer_count
+    from .config import SemMoEConfigError, expert_parallel_size, moe_layer_count, replica_token_device
 
     hf = vllm_config.model_config.hf_text_config
     num_experts = next((getattr(hf, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                         if getattr(hf, k, None)), None)
     if num_experts is None:
         raise SemMoEConfigError(f"semmoe: {vllm_config.model_config.model} is not a MoE model")
-    config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
-                       ep_size=expert_parallel_size(vllm_config.parallel_config))
+    tables = config.load_tables(num_layers=moe_layer_count(hf), num_experts=int(num_experts),
+                                ep_size=expert_parallel_size(vllm_config.parallel_config))
+    replica_token_device(tables, config.mode, vllm_config.parallel_config, 0)  # refuses a layout replicas cannot use

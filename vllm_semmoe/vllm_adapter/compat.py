@@ -138,6 +138,13 @@ INTERNALS: tuple[Internal, ...] = (
              why="redundant expert slots refused"),
     Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEParallelConfig.enable_eplb", "attribute",
              why="placement refused with EPLB"),
+    Internal("vllm.config.parallel", "ParallelConfig.enable_eplb", "attribute",
+             why="replica slots: MoE layers built as for EPLB, then EPLB left off"),
+    Internal("vllm.config.parallel", "EPLBConfig.num_redundant_experts", "attribute",
+             why="replica slots: the redundant physical slots the MoE layers are built with"),
+    Internal("vllm.distributed.eplb.eplb_state", "EplbState.build_initial_global_physical_to_logical_map",
+             "function", ("num_routed_experts", "num_redundant_experts"),
+             why="replica slots: which logical expert a loader call for a physical slot carries"),
     Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.is_monolithic",
              "attribute", why="monolithic kernels route internally: placement refused"),
     Internal("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
@@ -391,6 +398,40 @@ def use_opaque_moe_op(runner) -> None:
 
     shared = runner.shared_experts is not None
     runner._forward_entry = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
+
+
+@contextlib.contextmanager
+def redundant_expert_slots(vllm_config, count: int):
+    """Build the model's MoE layers with ``count`` redundant physical expert slots in all.
+
+    vLLM 0.32 creates redundant slots only for its EPLB (``FusedMoE`` asserts "Redundant
+    experts are only supported with EPLB", and ``ParallelConfig`` refuses
+    ``num_redundant_experts`` without ``enable_eplb``), and refuses EPLB off CUDA / ROCm / XPU.
+    So while the model is built, the parallel config reads as EPLB's with
+    ``num_redundant_experts = count``: every MoE layer gets EPLB's physical layout (``N +
+    count`` slots, ``(N + count) / EP`` per rank, the model's expert-weight mapping over
+    physical slots), and kernels are chosen as for EPLB. The config is restored right after,
+    so the model runner builds no ``EplbState`` and nothing rebalances; the placement drives
+    the physical map (:func:`.replacement.install_placement`).
+    """
+    if not count:
+        yield
+        return
+    parallel = vllm_config.parallel_config
+    saved = parallel.enable_eplb, parallel.eplb_config.num_redundant_experts
+    parallel.enable_eplb, parallel.eplb_config.num_redundant_experts = True, int(count)
+    try:
+        yield
+    finally:
+        parallel.enable_eplb, parallel.eplb_config.num_redundant_experts = saved
+
+
+def initial_physical_to_logical(num_experts: int, num_redundant: int) -> list[int]:
+    """The logical expert each physical slot's checkpoint weights come from in vLLM's expert
+    mapping (EPLB's initial layout: ``range(N)`` then ``i % N``)."""
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    return list(EplbState.build_initial_global_physical_to_logical_map(num_experts, num_redundant))
 
 
 def prepare_finalize(experts):

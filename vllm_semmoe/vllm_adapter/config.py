@@ -168,18 +168,39 @@ class SemMoEConfig:
         except TablesError as exc:
             hint = "; solve tables for this model and EP size (semmoe solve --ep)" if "configuration" in str(exc) else ""
             raise SemMoEConfigError(f"semmoe: {exc}{hint}") from None
-        if tables.placement.redundant:
-            R = tables.placement.redundant
-            raise SemMoEConfigError(
-                f"semmoe: tables {self.tables} give every rank {R} replica slot(s) (solved with --redundant {R}); "
-                "serving replicas is not supported yet (it needs vLLM's redundant expert slots, which only its "
-                "EPLB drives): serve tables solved with --redundant 0; replicas are evaluated offline "
-                "(semmoe eval --redundant R)")
         if self.mode != PLACEMENT_ONLY and tables.mode != self.mode:
             raise SemMoEConfigError(
                 f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
                 f"{self.mode!r}: re-solve with `semmoe solve --mode {self.mode}` or serve with --mode {tables.mode}")
         return tables
+
+
+def replica_token_device(tables: SemMoETables | None, mode, parallel_config, ep_rank: int) -> int | None:
+    """The placement device whose copies this engine's routers prefer: its EP rank when the
+    tables hold replica slots, ``None`` (home copies) without them.
+
+    Replicas serve the tokens of the rank holding them, so every rank must route only tokens it
+    serves: DP ranks (TP 1) route their own requests, the TP shuffle (mode ``tp``, DP 1)
+    computes only its scheduled tokens. Other layouts are refused (a replica there would count
+    an activation twice, or never be used), as is vLLM's EPLB (it keeps its own map).
+    """
+    R = tables.placement.redundant if tables is not None else 0
+    if not R:
+        return None
+    dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
+    where = f"tables solved with --redundant {R}"
+    if getattr(parallel_config, "enable_eplb", False):
+        raise SemMoEConfigError(f"semmoe: {where} drive the redundant expert slots themselves; "
+                                "vLLM's EPLB would move them: remove --enable-eplb")
+    if not getattr(parallel_config, "enable_expert_parallel", False) or dp * tp < 2:
+        raise SemMoEConfigError(f"semmoe: {where} give each EP rank replica slots: serve with "
+                                "--enable-expert-parallel over 2 or more ranks, or solve with --redundant 0")
+    if not ((tp == 1 and dp > 1) or (mode == ServingMode.TP and dp == 1)):
+        raise SemMoEConfigError(
+            f"semmoe: {where} serve a token from a replica on the rank that routes it, which needs DP ranks "
+            f"with TP 1 or mode 'tp' (the token shuffle) with DP 1 (running DP {dp}, TP {tp}, mode {mode!r}): "
+            "change the layout or mode, or solve with --redundant 0")
+    return int(ep_rank)
 
 
 def moe_layer_count(hf_config) -> int | None:

@@ -18,11 +18,22 @@ from .state import SemMoEState, register_state
 logger = logging.getLogger("vllm.semmoe")
 
 
+def replica_slots(config) -> int:
+    """Redundant physical expert slots in all (``E * R``) the model's MoE layers must be built
+    with for ``config``'s tables (0: none, or no tables)."""
+    if config is None or config.tables is None:
+        return 0
+    from ..tables import load_tables
+
+    placement = load_tables(config.tables).placement
+    return placement.num_physical_experts - placement.num_experts
+
+
 def build_state(model, config, vllm_config) -> SemMoEState:
     """Create the engine's state for a freshly built ``model`` (weights not loaded yet): install
     the placement, the routing recorder and the TP shuffle, and register the state under the
     model and its MoE layers."""
-    from .config import expert_parallel_size
+    from .config import expert_parallel_size, replica_token_device
     from .replacement import install_placement, install_self_check, moe_runners
 
     runners = moe_runners(model)
@@ -35,12 +46,16 @@ def build_state(model, config, vllm_config) -> SemMoEState:
     if config.tables is not None:
         state.tables = config.load_tables(
             num_layers=len(runners),
-            num_experts=int(runners[0].routed_experts.global_num_experts) if runners else -1,
+            num_experts=int(runners[0].routed_experts.moe_config.num_logical_experts) if runners else -1,
             ep_size=ep_size)
-        installed = install_placement(model, runners, state.tables.placement)
+        state.token_device = replica_token_device(state.tables, config.mode, vllm_config.parallel_config,
+                                                  compat.ep_group().rank_in_group if ep_size > 1 else 0)
+        installed = install_placement(model, runners, state.tables.placement, state.token_device)
         install_self_check(model, runners, installed)
-        logger.info("semmoe: %s placement (EP %d) installed on %d MoE layers",
-                    state.tables.placement.method, state.tables.ep_size, len(runners))
+        logger.info("semmoe: %s placement (EP %d%s) installed on %d MoE layers",
+                    state.tables.placement.method, state.tables.ep_size,
+                    f", {state.tables.placement.redundant} replica slot(s) per rank, this rank's copies preferred"
+                    if state.token_device is not None else "", len(runners))
     if config.records:
         state.recorder = make_recorder(runners, vllm_config, config, state)
     if config.mode == ServingMode.TP and layout["tp"] > 1 and layout["ep"]:

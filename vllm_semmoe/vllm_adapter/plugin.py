@@ -10,8 +10,9 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
 
 - ``EngineArgs.create_engine_config``: validate the settings, tables, parallel layout and
   compilation settings at engine start (:mod:`.checks`);
-- ``BaseModelLoader.create_model``: install the placement before weights load and create the
-  engine's :class:`~.state.SemMoEState` (recorder, TP-shuffle layers, dispatch) (:mod:`.install`);
+- ``BaseModelLoader.create_model``: build the MoE layers with the tables' replica slots, install
+  the placement before weights load and create the engine's :class:`~.state.SemMoEState`
+  (recorder, TP-shuffle layers, dispatch) (:mod:`.install`);
 - ``GPUModelRunner._model_forward`` (the CPU runner inherits it): open the step context of
   real forward steps (warm-up and profiling runs do not come through here); publish the MoE
   exchange counters after each;
@@ -35,7 +36,7 @@ import warnings
 from ..modes import ServingMode
 from . import compat
 from .checks import check_engine_config
-from .install import build_state
+from .install import build_state, replica_slots
 from .recording import begin_step, flush_capture, flush_state
 from .state import SemMoEState, register_state, runner_state, state_of
 
@@ -119,8 +120,9 @@ def _patch_model_loader() -> None:
 
     @functools.wraps(original)
     def create_model(self, vllm_config, model_config, prefix: str = ""):
-        model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         config = _semmoe_config(vllm_config)
+        with compat.redundant_expert_slots(vllm_config, replica_slots(config)):
+            model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         if config is not None:
             build_state(model, config, vllm_config)
         return model

@@ -29,9 +29,10 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
     tables = state.tables
     recorder = RoutingRecorder(
         num_layers=len(runners),
-        num_experts=int(runners[0].routed_experts.global_num_experts),
+        num_experts=int(runners[0].routed_experts.moe_config.num_logical_experts),
         top_k=int(getattr(hf, "num_experts_per_tok")),
         placement=tables.placement if tables is not None else None,
+        token_device=state.token_device,
         vocab=_vocab(model_config),
         vocab_size=int(model_config.get_vocab_size()),
     )
@@ -47,7 +48,7 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
 
         recorder.live_counters = LiveCounters(
             live_counters_path(config.capture, parallel, compat.tp_rank()), parallel.data_parallel_rank,
-            parallel.data_parallel_size, recorder.num_experts, tables.ep_size, traffic=state.counters,
+            parallel.data_parallel_size, tables.placement.num_physical_experts, tables.ep_size, traffic=state.counters,
             tp_rank=compat.tp_rank())
     if tables is not None:
         from .capture import ReplayMeter

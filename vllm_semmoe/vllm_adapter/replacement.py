@@ -24,10 +24,18 @@ space and mapping logical → physical ids after top-k selection
   ``expert_id`` is wrapped to load logical expert ``e`` into slot ``l2p[e]``), so biases,
   quantization scales and zero points move with their expert without a list of names.
 
+Replicas (tables solved with ``--redundant R``): the layers are built with vLLM EPLB's
+physical layout, ``N + E*R`` slots (:func:`.compat.redundant_expert_slots`), and the map is
+per rank: a router maps each logical expert to this rank's own copy where it holds one, else to
+the home copy (:meth:`~vllm_semmoe.placement.Placement.device_map`). That is exact wherever
+every rank maps only the tokens it serves (DP ranks route their own requests; the TP shuffle
+computes only its scheduled tokens): each activation then names exactly one slot. The
+checkpoint's expert ``e`` is loaded into every slot holding a copy of ``e``.
+
 What cannot be exact this way is refused at engine start (:func:`unsupported_reason`): kernels
 that route internally from the logits (vLLM's "monolithic" experts), EPLB (its own map),
-fused shared experts and redundant experts (extra physical slots), routers that do not use
-``BaseRouter``'s select step, and expert-indexed tensors the wrapper cannot reach.
+fused shared experts and redundant slots other than the tables' replicas, routers that do not
+use ``BaseRouter``'s select step, and expert-indexed tensors the wrapper cannot reach.
 
 After the weights load, :func:`self_check` routes fixed random hidden vectors through every MoE
 layer's router with and without the placement and requires the same logical experts.
@@ -43,6 +51,7 @@ import numpy as np
 import torch
 
 from ..placement import Placement
+from . import compat
 from .config import SemMoEConfigError
 
 logger = logging.getLogger("vllm.semmoe")
@@ -62,7 +71,7 @@ def check_model_shape(runners: list, num_layers: int, num_experts: int, what: st
     """Raise :class:`SemMoEConfigError` if the model's MoE shape differs from ``what``'s."""
     if not runners:
         raise SemMoEConfigError("semmoe: the model has no MoE layers (no vLLM MoERunner found)")
-    model_experts = {int(r.routed_experts.global_num_experts) for r in runners}
+    model_experts = {int(r.routed_experts.moe_config.num_logical_experts) for r in runners}
     problems = []
     if len(runners) != num_layers:
         problems.append(f"{num_layers} MoE layers (model has {len(runners)})")
@@ -116,8 +125,9 @@ class PhysicalIds:
         return torch.where(valid, mapped, long).to(ids.dtype)
 
 
-def unsupported_reason(model: torch.nn.Module, runner) -> str | None:
-    """Why re-placement cannot be exact on this MoE layer (``None``: it can)."""
+def unsupported_reason(model: torch.nn.Module, runner, redundant_slots: int = 0) -> str | None:
+    """Why re-placement cannot be exact on this MoE layer (``None``: it can), for a placement
+    with ``redundant_slots`` replica slots in all (``E * R``)."""
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
     experts = runner.routed_experts
@@ -128,21 +138,40 @@ def unsupported_reason(model: torch.nn.Module, runner) -> str | None:
         return f"needs vLLM's linear expert placement, got {strategy!r} (drop --expert-placement-strategy)"
     if not isinstance(router, BaseRouter):
         return f"its router {type(router).__name__} does not select experts through vLLM's BaseRouter"
-    if router.eplb_state is not None or experts.moe_config.moe_parallel_config.enable_eplb:
+    # layers built for replica slots read as EPLB's (their empty EPLB state is released first)
+    if router.eplb_state is not None or (experts.moe_config.moe_parallel_config.enable_eplb and not redundant_slots):
         return "EPLB is enabled; it keeps its own logical-to-physical map (disable --enable-eplb)"
     if _is_monolithic(quant):
         return _MONOLITHIC.format(quant.method_name)
     manager = experts.expert_map_manager
     if getattr(manager, "num_fused_shared_experts", 0):
         return "shared experts are fused into the routed experts' slots"
-    if experts.moe_config.num_experts != experts.moe_config.num_logical_experts:
-        return "it has redundant expert slots"
+    extra = int(experts.moe_config.num_experts) - int(experts.moe_config.num_logical_experts)
+    if extra != redundant_slots:
+        if not extra:
+            return (f"the model class does not build vLLM's redundant expert slots (num_redundant_experts), "
+                    f"which the tables' {redundant_slots} replica slots need")
+        return f"it has {extra} redundant expert slots, the tables {redundant_slots}"
     if experts.quant_config is not None and experts.quant_config.get_name() == "gpt_oss_mxfp4":
         return "its quantization (gpt_oss_mxfp4) loads all experts as one tensor"
     unreachable = [name for name, _ in expert_indexed_tensors(experts, router) if name not in reachable_params(experts)]
     if unreachable:
         return f"expert-indexed tensor(s) {', '.join(unreachable)} are not loaded per expert"
     return None
+
+
+def release_eplb_layer_state(runners: list, slots: int) -> None:
+    """Detach the empty EPLB layer state from the routers of layers built with the placement's
+    ``slots`` redundant slots (:func:`.compat.redundant_expert_slots` builds them as for EPLB;
+    EPLB itself is off, so nothing ever fills that state, and the placement's map replaces
+    EPLB's step). A layer whose EPLB state holds a map was not built that way and is left as it
+    is (and refused)."""
+    for runner in runners:
+        experts, router = runner.routed_experts, runner.router
+        built = int(experts.moe_config.num_experts) - int(experts.moe_config.num_logical_experts) == slots
+        state = getattr(router, "eplb_state", None)
+        if built and state is not None and getattr(state, "logical_to_physical_map", None) is None:
+            router.eplb_state = None
 
 
 _MONOLITHIC = "its MoE kernel ({}) routes internally from the router logits, so expert ids cannot be mapped after top-k"
@@ -196,17 +225,24 @@ def _loader_parameters(loader) -> tuple[str, ...]:
         return ()
 
 
-def install_placement(model: torch.nn.Module, runners: list, placement: Placement) -> list[LayerPlacement]:
+def install_placement(model: torch.nn.Module, runners: list, placement: Placement,
+                      token_device: int | None = None) -> list[LayerPlacement]:
     """Map every MoE layer's selected expert ids to physical slots and re-place the expert loads.
 
-    Must run after the model is built and before its weights are loaded. Raises
+    ``token_device``: the device whose copies the routers prefer (replicas; see the module
+    docstring), ``None``: home copies. Must run after the model is built (with the
+    placement's redundant slots, :func:`.compat.redundant_expert_slots`) and before its
+    weights are loaded. Raises
     :class:`SemMoEConfigError` naming the model class and the reason when any layer cannot be
     re-placed exactly. Returns the installed per-layer state (for :func:`self_check`).
     """
     check_model_shape(runners, placement.num_layers, placement.num_experts, "tables")
+    slots = placement.num_physical_experts - placement.num_experts
+    if slots:
+        release_eplb_layer_state(runners, slots)
     reasons = {}
     for runner in runners:
-        reason = unsupported_reason(model, runner)
+        reason = unsupported_reason(model, runner, slots)
         if reason is not None:
             reasons.setdefault(reason, []).append(runner.layer_name)
     if reasons:
@@ -216,7 +252,10 @@ def install_placement(model: torch.nn.Module, runners: list, placement: Placemen
             f"{names[0]}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''}: {reason}"
         )
     p2l = placement.physical_to_logical()
-    l2p = placement.logical_to_physical()
+    l2p = placement.device_map(token_device)
+    copies = placement.logical_to_physical_map()  # [L, N, C] every slot of each logical expert
+    # the logical expert whose checkpoint weights a loader call for physical slot p carries
+    carried = compat.initial_physical_to_logical(placement.num_experts, slots) if slots else None
     installed = []
     for index, runner in enumerate(runners):
         experts = runner.routed_experts
@@ -227,7 +266,8 @@ def install_placement(model: torch.nn.Module, runners: list, placement: Placemen
         if isinstance(router.__dict__.get("_apply_eplb_mapping"), PhysicalIds):
             raise RuntimeError("semmoe: placement installed twice on the same layer")
         router._apply_eplb_mapping = PhysicalIds(router._apply_eplb_mapping, state.l2p)
-        mapping = l2p[index].tolist()
+        targets = [[int(s) for s in row if s >= 0] for row in copies[index]]
+        mapping = targets if carried is None else [targets[e] for e in carried]
         logical = routing_tensor_ids(router)
         for name in sorted(n for n in reachable_params(experts) if id(getattr(experts, n)) not in logical):
             state.loaded[name] = set()
@@ -237,9 +277,10 @@ def install_placement(model: torch.nn.Module, runners: list, placement: Placemen
     return installed
 
 
-def _wrap_loader(param, mapping: list[int], loaded: set[int], name: str) -> None:
-    """Make ``param``'s loader put logical expert ``e`` into physical slot ``mapping[e]``
-    (recording the slot in ``loaded``)."""
+def _wrap_loader(param, mapping: list[list[int]], loaded: set[int], name: str) -> None:
+    """Make ``param``'s loader put the weights it is called with for expert id ``i`` into the
+    physical slots ``mapping[i]`` (every copy of that logical expert; recording them in
+    ``loaded``). The result is the original loader's for any slot that took the weights."""
     loader = param.weight_loader
     if getattr(loader, "_semmoe_wrapped", False):
         raise RuntimeError("semmoe: placement installed twice on the same layer")
@@ -251,10 +292,14 @@ def _wrap_loader(param, mapping: list[int], loaded: set[int], name: str) -> None
         if not isinstance(expert, (int, np.integer)):
             raise SemMoEConfigError(f"semmoe: {name} is loaded for all experts at once (expert_id={expert!r}); "
                                     "its experts cannot be re-placed")
-        if 0 <= int(expert) < len(mapping):
-            bound.arguments["expert_id"] = mapping[int(expert)]
-            loaded.add(mapping[int(expert)])
-        return loader(*bound.args, **bound.kwargs)
+        if not 0 <= int(expert) < len(mapping):
+            return loader(*bound.args, **bound.kwargs)
+        results = []
+        for slot in mapping[int(expert)]:
+            bound.arguments["expert_id"] = slot
+            loaded.add(slot)
+            results.append(loader(*bound.args, **bound.kwargs))
+        return next((r for r in results if r), results[-1] if results else None)
 
     wrapped._semmoe_wrapped = True
     param.weight_loader = wrapped
@@ -294,7 +339,8 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
             raise SemMoEConfigError(f"semmoe: cannot re-place experts of {model_class} exactly: MoE layer "
                                     f"{state.name}: " + _MONOLITHIC.format(experts.quant_method.method_name))
         device = state.l2p.device
-        num_experts = int(experts.global_num_experts)
+        num_experts = int(experts.moe_config.num_logical_experts)
+        num_slots = int(experts.global_num_experts)
         gate = getattr(runner, "gate", None)
         width = int(getattr(gate, "input_size", 0) or runner.moe_config.hidden_dim)
         hidden = torch.randn(num_tokens, width, generator=generator).to(device)
@@ -314,7 +360,7 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
                     mapper.enabled = True
             finally:
                 router.capture_fn = capture
-        local = {slot for slot in range(num_experts) if experts._map_global_expert_id_to_local_expert_id(slot) != -1}
+        local = {slot for slot in range(num_slots) if experts._map_global_expert_id_to_local_expert_id(slot) != -1}
         for name, slots in state.loaded.items():
             if not local <= slots:
                 raise SemMoEConfigError(
@@ -324,9 +370,9 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
                     "in logical order)")
         physical = physical.long().cpu().numpy()
         logical = logical.long().cpu().numpy()
-        if physical.min() < 0 or physical.max() >= num_experts:
+        if physical.min() < 0 or physical.max() >= num_slots:
             raise SemMoEConfigError(f"semmoe self-check: MoE layer {state.name} selected physical ids "
-                                    f"outside [0, {num_experts})")
+                                    f"outside [0, {num_slots})")
         back = state.p2l[physical]
         if not np.array_equal(np.sort(back, axis=1), np.sort(logical, axis=1)):
             bad = int((np.sort(back, axis=1) != np.sort(logical, axis=1)).any(axis=1).sum())

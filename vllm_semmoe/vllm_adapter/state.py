@@ -64,6 +64,9 @@ class SemMoEState:
         config: the validated :class:`~.config.SemMoEConfig`.
         parallel: ``(tp_size, dp_size, dp_rank, ep_size)`` of this engine.
         tables: the loaded Sem-MoE tables (``None``: capture only).
+        token_device: the placement device (EP rank) whose copies this engine's routers prefer
+            for the tokens they route (:meth:`~vllm_semmoe.placement.Placement.device_map`):
+            this EP rank when the tables hold replicas, ``None`` (home copies) otherwise.
         recorder: the routing recorder (``None``: this engine does not record).
         tp_layers: MoE layer name -> :class:`~.tp_shuffle.TpShuffleLayer` (``tp`` mode).
         fused: MoE layer name -> weak reference to its decoder layer, for the decoder layers that
@@ -86,6 +89,7 @@ class SemMoEState:
     config: Any
     parallel: tuple[int, int, int, int]
     tables: Any = None
+    token_device: int | None = None
     recorder: Any = None
     tp_layers: dict = field(default_factory=dict)
     fused: dict = field(default_factory=dict)

@@ -60,6 +60,7 @@ class TpShuffleLayer:
         self.shuffle = tables.placement.method == "semmoe"
         self.t2d = tables.t2d_score[layer].astype(np.float32)
         self.p2l = tables.placement.physical_to_logical()[layer]  # physical slot -> logical expert
+        self.home = tables.placement.logical_to_physical()[layer]  # logical expert -> home slot
         self.uses_experts = tables.transition is not None
         if self.uses_experts:
             self.evidence = tables.log_evidence()[layer]  # [2, N, N] (computed once per tables)
@@ -99,8 +100,8 @@ class TpShuffleLayer:
         logical = self.p2l[physical_ids]
         if self.uses_experts:
             step.experts[self.layer] = logical
-        else:
-            step.major[self.layer] = _majority(physical_ids, len(self.p2l) // ep_size, ep_size)
+        else:  # home copies: with replicas, ranks map other ranks' tokens to their own copies
+            step.major[self.layer] = _majority(self.home[logical], len(self.p2l) // ep_size, ep_size)
         return logical
 
     def previous_experts(self, step: StepContext, num_tokens: int) -> np.ndarray:
