@@ -32,11 +32,28 @@ def add_json_argument(parser, what: str = "the figures") -> None:
     parser.add_argument("--json", help=f"also write {what} as JSON to this path ('-' = stdout)")
 
 
-def add_redundant_argument(parser) -> None:
-    """Declare ``--redundant R`` (replica slots per device) on a sub-command's parser."""
-    parser.add_argument("--redundant", type=int, default=0, metavar="R",
-                        help="replica slots per device for locality, for the methods that replicate (semmoe); "
-                             "vLLM EPLB's layout, num_redundant_experts = EP x R (default 0)")
+def add_redundant_argument(parser, several: bool = False) -> None:
+    """Declare ``--redundant R`` (replica slots per device) on a sub-command's parser;
+    ``several``: ``--redundant R[,R...]``, parsed to a list of ints (one run per value)."""
+    help = ("replica slots per device for locality, for the methods that replicate (semmoe); "
+            "vLLM EPLB's layout, num_redundant_experts = EP x R (default 0)")
+    if several:
+        parser.add_argument("--redundant", type=_int_list, default=[0], metavar="R[,R...]",
+                            help=help + "; comma-separated: the replicating methods run once per value")
+    else:
+        parser.add_argument("--redundant", type=int, default=0, metavar="R", help=help)
+
+
+def _int_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
 
 
 def _jsonable(value):

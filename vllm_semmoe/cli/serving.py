@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .output import add_json_argument, write_json
+from .output import add_json_argument, add_redundant_argument, write_json
 
 DEFAULT_SHAREGPT = os.path.join("..", "shared", "data", "text", "sharegpt_4k.jsonl.gz")
 
@@ -195,12 +195,14 @@ def cmd_bench_serve(args) -> int:
         raise SystemExit(f"semmoe bench-serve: under {layout} --policy takes policies from {', '.join(known)} "
                          f"(comma-separated), got {args.policy!r}")
     runs = []
-    for policy in policies:  # back to back, the same prompts
+    # back to back, the same prompts; the policies on Sem-MoE's placement once per --redundant value
+    replicating = {p for p in policies if known[p][0] == "semmoe"}
+    for policy, R in [(p, R) for p in policies for R in (args.redundant if p in replicating else [0])]:
         runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
                                     dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                                    dp_balance=args.dp_balance, dtype=args.dtype))
+                                    dp_balance=args.dp_balance, dtype=args.dtype, redundant=R))
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
@@ -208,7 +210,7 @@ def cmd_bench_serve(args) -> int:
     print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
     for r in runs:
-        print(f"{r['policy']:<16}{r['ok']:>5}{r['failed']:>7}{r['moe_bytes_per_token']:>13.0f}"
+        print(f"{_run_name(r):<16}{r['ok']:>5}{r['failed']:>7}{r['moe_bytes_per_token']:>13.0f}"
               f"{r['moe_bytes_per_token'] / base if base else float('nan'):>11.3f}x"
               f"{'-' if r['live_lar'] is None else format(r['live_lar'], '.4f'):>10}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['tpot_s']:>8.3f}{r['throughput_tok_s']:>8.1f}"
@@ -217,8 +219,13 @@ def cmd_bench_serve(args) -> int:
     if len(runs) > 1:
         print("outputs identical across policies" if same else "OUTPUTS DIFFER across policies (see the digests)")
     if args.json:
-        write_json(args.json, {"runs": {r["policy"]: r for r in runs}, "outputs_identical": same})
+        write_json(args.json, {"runs": {_run_name(r): r for r in runs}, "outputs_identical": same})
     return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _run_name(run: dict) -> str:
+    """A bench-serve run's row and JSON key: its policy, with ``R=<R>`` when it has replicas."""
+    return run["policy"] + (f" R={run['redundant']}" if run["redundant"] else "")
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -314,6 +321,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
     p.add_argument("--dp-balance", type=float, default=None,
                    help="semmoe: locality-vs-balance knob (default: the plugin's, 0.1)")
+    add_redundant_argument(p, several=True)
     p.add_argument("--workdir", default=os.path.join("out", "bench_serve"), help="tables, logs and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)
