@@ -761,6 +761,19 @@ if __name__ == "__main__":
 """
 
 
+def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = False) -> dict:
+    """Greedy PROMPTS on TP=2 + EP with the plugin set to ``semmoe`` (:data:`SHUFFLE_SCRIPT`, in a
+    subprocess): outputs, each rank's flush summary and, with ``fingerprints``, each rank's
+    local expert weights."""
+    out = tmp_path / f"{name}.json"
+    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
+           "fingerprints": fingerprints, "semmoe": semmoe}
+    _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
+        tmp_path / f"{name}.log", ENGINE_TIMEOUT_S)
+    return json.loads(out.read_text())
+
+
 def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode: tokens scheduled to their experts' rank, real all-to-all of the
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
@@ -786,14 +799,8 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None
         placement = get_policy(method).solve(profile, 2, mode="tp")
         tables = build_tables(profile, placement, mode="tp")
         tables.save(tmp_path / method)
-        out = tmp_path / f"{method}.json"
-        cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-               "semmoe": {"tables": str(tmp_path / method), "mode": "tp",
-                          "capture": str(tmp_path / f"{method}_served.npz")}}
-        _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-            tmp_path / f"{method}.log", ENGINE_TIMEOUT_S)
-        result = json.loads(out.read_text())
+        result = _run_shuffle(tmp_path, method, {"tables": str(tmp_path / method), "mode": "tp",
+                                                 "capture": str(tmp_path / f"{method}_served.npz")})
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {method} tables")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
         # the shuffle ran fused into the collectives in every MoE layer of every real step
@@ -812,13 +819,8 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None
         runs[method]["real_tokens"] = result["summaries"][0]["replayed"]["tokens"]
 
     # stock vLLM TP 2 + EP (vanilla placement, no shuffle), its collectives metered
-    out = tmp_path / "stock.json"
-    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-           "semmoe": {"tables": str(tmp_path / "vanilla"), "capture": str(tmp_path / "stock_served.npz")}}
-    _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-        tmp_path / "stock.log", ENGINE_TIMEOUT_S)
-    result = json.loads(out.read_text())
+    result = _run_shuffle(tmp_path, "stock", {"tables": str(tmp_path / "vanilla"),
+                                              "capture": str(tmp_path / "stock_served.npz")})
     _assert_same_tokens(result["outputs"], reference, "TP=2 + EP, stock, metered")
     traffic = [s["moe_traffic"] for s in result["summaries"]]
     stock = {"collective_bytes": sum(t[k] for t in traffic for k in BYTE_KEYS),
@@ -870,15 +872,8 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
         placement = get_policy("semmoe").solve(profile, 2, mode="tp", redundant=R)
         assert placement.redundant == R
         build_tables(profile, placement, mode="tp").save(tmp_path / f"r{R}")
-        out = tmp_path / f"r{R}.json"
-        cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-               "fingerprints": True,
-               "semmoe": {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
-                          "capture": str(tmp_path / f"r{R}_served.npz")}}
-        _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-            tmp_path / f"r{R}.log", ENGINE_TIMEOUT_S)
-        result = json.loads(out.read_text())
+        result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
+                                                   "capture": str(tmp_path / f"r{R}_served.npz")}, fingerprints=True)
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
         slots = placement.experts_per_device
         p2l = placement.physical_to_logical()
