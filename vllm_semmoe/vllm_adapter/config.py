@@ -150,29 +150,46 @@ class SemMoEConfig:
                 f"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add --tensor-parallel-size N "
                 f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
 
-    def load_tables(self, *, num_layers: int | None, num_experts: int, ep_size: int) -> SemMoETables | None:
-        """Load the tables and check them against the running model, EP size and mode
-        (``num_layers=None``: layer count not known yet, not checked).
+    def read_tables(self) -> SemMoETables | None:
+        """The tables ``self.tables`` names, read from disk (``None``: no tables configured); a
+        damaged directory raises :class:`SemMoEConfigError`."""
+        if self.tables is None:
+            return None
+        try:
+            return load_tables(self.tables)
+        except TablesError as exc:
+            raise _tables_error(exc) from None
+
+    def load_tables(self, *, num_layers: int | None, num_experts: int, ep_size: int,
+                    tables: SemMoETables | None = None) -> SemMoETables | None:
+        """Load the tables (``tables``: already read by :meth:`read_tables`) and check them
+        against the running model, EP size and mode (``num_layers=None``: layer count not known
+        yet, not checked).
 
         ``placement-only`` on a single device (``ep_size == 1``) accepts tables of any EP size:
         the permutation is still exact, which is how losslessness is tested without EP. ``tp``
         and ``dp`` need tables solved for that mode (``semmoe solve --mode``).
         """
-        if self.tables is None:
+        tables = self.read_tables() if tables is None else tables
+        if tables is None:
             return None
         any_ep = self.mode == PLACEMENT_ONLY and ep_size == 1
         try:
-            tables = load_tables(self.tables)
             tables.check_compatible(num_layers=tables.num_layers if num_layers is None else num_layers,
                                     num_experts=num_experts, ep_size=None if any_ep else ep_size)
         except TablesError as exc:
-            hint = "; solve tables for this model and EP size (semmoe solve --ep)" if "configuration" in str(exc) else ""
-            raise SemMoEConfigError(f"semmoe: {exc}{hint}") from None
+            raise _tables_error(exc) from None
         if self.mode != PLACEMENT_ONLY and tables.mode != self.mode:
             raise SemMoEConfigError(
                 f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
                 f"{self.mode!r}: re-solve with `semmoe solve --mode {self.mode}` or serve with --mode {tables.mode}")
         return tables
+
+
+def _tables_error(exc: TablesError) -> SemMoEConfigError:
+    """A tables problem as the plugin reports it (with the fix for tables of another shape)."""
+    hint = "; solve tables for this model and EP size (semmoe solve --ep)" if "configuration" in str(exc) else ""
+    return SemMoEConfigError(f"semmoe: {exc}{hint}")
 
 
 def replica_token_device(tables: SemMoETables | None, mode, parallel_config, ep_rank: int) -> int | None:

@@ -18,21 +18,19 @@ from .state import SemMoEState, register_state
 logger = logging.getLogger("vllm.semmoe")
 
 
-def replica_slots(config) -> int:
+def replica_slots(tables) -> int:
     """Redundant physical expert slots in all (``E * R``) the model's MoE layers must be built
-    with for ``config``'s tables (0: none, or no tables)."""
-    if config is None or config.tables is None:
+    with for ``tables`` (0: none, or no tables)."""
+    if tables is None:
         return 0
-    from ..tables import load_tables
-
-    placement = load_tables(config.tables).placement
-    return placement.num_physical_experts - placement.num_experts
+    return tables.placement.num_physical_experts - tables.placement.num_experts
 
 
-def build_state(model, config, vllm_config) -> SemMoEState:
+def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
     """Create the engine's state for a freshly built ``model`` (weights not loaded yet): install
     the placement, the routing recorder and the TP shuffle, and register the state under the
-    model and its MoE layers."""
+    model and its MoE layers. ``tables``: ``config``'s tables when already read (the hook reads
+    them before the model is built, for its replica slots)."""
     from .config import expert_parallel_size, replica_token_device
     from .replacement import install_placement, install_self_check, moe_runners
 
@@ -47,7 +45,7 @@ def build_state(model, config, vllm_config) -> SemMoEState:
         state.tables = config.load_tables(
             num_layers=len(runners),
             num_experts=int(runners[0].routed_experts.moe_config.num_logical_experts) if runners else -1,
-            ep_size=ep_size)
+            ep_size=ep_size, tables=tables)
         state.token_device = replica_token_device(state.tables, config.mode, vllm_config.parallel_config,
                                                   compat.ep_group().rank_in_group if ep_size > 1 else 0)
         installed = install_placement(model, runners, state.tables.placement, state.token_device)

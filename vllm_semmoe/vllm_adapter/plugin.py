@@ -121,10 +121,11 @@ def _patch_model_loader() -> None:
     @functools.wraps(original)
     def create_model(self, vllm_config, model_config, prefix: str = ""):
         config = _semmoe_config(vllm_config)
-        with compat.redundant_expert_slots(vllm_config, replica_slots(config)):
+        tables = config.read_tables() if config is not None else None  # read once, before the build
+        with compat.redundant_expert_slots(vllm_config, replica_slots(tables)):
             model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         if config is not None:
-            build_state(model, config, vllm_config)
+            build_state(model, config, vllm_config, tables)
         return model
 
     BaseModelLoader.create_model = create_model
