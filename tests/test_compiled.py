@@ -95,22 +95,24 @@ def _assert_same_tokens(outputs: list[dict], reference: dict[int, list[int]], wh
     assert not diffs, f"{what} differs from plain TP 1 (compiled) greedy output:\n" + "\n".join(diffs)
 
 
-def _tables(tmp_path_factory, mode: str) -> Path:
-    """Sem-MoE tables for EP 2, solved for ``mode``, from a synthetic trace of the tiny model's shape."""
+def _tables(tmp_path_factory, mode: str, redundant: int = 0) -> Path:
+    """Sem-MoE tables for EP 2, solved for ``mode`` (with ``redundant`` replica slots per rank),
+    from a synthetic trace of the tiny model's shape."""
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
 
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
-    placement = get_policy("semmoe").solve(trace, 2, mode=mode)
-    path = tmp_path_factory.mktemp("tables") / mode
+    placement = get_policy("semmoe").solve(trace, 2, mode=mode, redundant=redundant)
+    path = tmp_path_factory.mktemp("tables") / f"{mode}_r{redundant}"
     build_tables(trace, placement, mode=mode).save(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def tp_tables(tmp_path_factory) -> Path:
-    return _tables(tmp_path_factory, "tp")
+@pytest.fixture(scope="module", params=[0, 1], ids=["r0", "r1"])
+def tp_tables(request, tmp_path_factory) -> Path:
+    """TP tables without and with one replica slot per rank."""
+    return _tables(tmp_path_factory, "tp", request.param)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,8 @@ def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
 
 def test_compiled_tp2_shuffle(reference: dict, tp_tables: Path, tmp_path: Path) -> None:
     """TP 2 + EP, mode tp, compiled: greedy tokens equal TP 1's, and on both ranks the fused
-    shuffle ran in every MoE layer of every real step (4 layers x steps)."""
+    shuffle ran in every MoE layer of every real step (4 layers x steps); without and with one
+    replica slot per rank."""
     result = _run_compiled(tmp_path, "tp2_shuffle", tp=2,
                            semmoe={"tables": str(tp_tables), "mode": "tp", "capture": str(tmp_path / "served.npz")})
     _assert_same_tokens(result["outputs"], reference, "TP 2 + EP, mode tp, compiled")
