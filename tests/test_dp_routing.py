@@ -96,14 +96,14 @@ def _rank_counters(workdir, name: str) -> list[dict]:
 def _remote_rows(workdir, name: str, rank: int, tables_dir: str) -> int:
     """Rows ``rank`` must send, from its captured routing: per token and MoE layer, one per
     other rank that serves one of the token's experts (the send set, computed here
-    independently): the rank's own copy where it holds one, else the expert's home rank."""
+    independently): the rank's own copy where it holds one, else the other rank (with two
+    ranks every copy this rank lacks is there, so the choice among copies cannot matter)."""
     placement = load_tables(tables_dir).placement
     holds = placement.holds()  # [L, N, E]
-    home = placement.expert_device  # [L, N]
     _, steps, _ = read_segment(str(workdir / f"served_{name}.npz.parts" / f"dp{rank}.seg"))
     experts = np.concatenate([step["experts"] for step in steps])  # [n, L, K] logical
     layers = np.arange(experts.shape[1])[None, :, None]
-    dest = np.where(holds[layers, experts, rank], rank, home[layers, experts])
+    dest = np.where(holds[layers, experts, rank], rank, 1 - rank)
     return int(sum((dest == other).any(axis=-1).sum() for other in range(2) if other != rank))
 
 

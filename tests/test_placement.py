@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from vllm_semmoe.placement import Placement, PlacementError
 from vllm_semmoe.policy import POLICIES, get_policy
@@ -191,6 +192,43 @@ def test_device_map_prefers_the_devices_own_copy():
     np.testing.assert_array_equal(plain.device_map(1), plain.logical_to_physical())
     with pytest.raises(ValueError, match="outside"):
         placement.device_map(2)
+
+
+def test_serving_slots_choose_the_copies_the_offline_rule_counts():
+    """The serving routers' per-activation copy choice (PyTorch, :mod:`placement_torch`) names
+    a slot holding the selected expert on the rank the offline rule picks
+    (``serving_by_hand``, an independent restatement of ``Placement.serving_device``), on
+    random replicated placements of 2-8 devices; and, by hand, a remote activation goes to a
+    replica on a rank the token is already sent to rather than to its home."""
+    from shared_fixtures import serving_by_hand
+    from vllm_semmoe.placement_torch import serving_slots
+
+    # 3 devices, experts 0,1 on 0, 2,3 on 1, 4,5 on 2; device 0 replicates expert 3, device 1
+    # expert 0, device 2 expert 2. A token on device 0 with experts 4 (single copy: device 2)
+    # and 2 (home 1, replica 2) sends its row to device 2 only.
+    placement = Placement(np.array([[0, 0, 1, 1, 2, 2]]), 3, replicas=np.array([[[3], [0], [2]]]))
+    copies = torch.from_numpy(placement.logical_to_physical_map()[0])
+    slots = serving_slots(torch.tensor([[4, 2]]), copies, placement.experts_per_device, 3, 0)
+    assert (slots // placement.experts_per_device).tolist() == [[2, 2]]
+    assert placement.physical_to_logical()[0, slots[0]].tolist() == [4, 2]
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        E, n = int(rng.choice([2, 3, 4, 8])), int(rng.integers(1, 4))
+        N, L, R, K, T = E * n, 2, int(rng.integers(0, min(3, E * n - n) + 1)), int(rng.integers(1, 7)), 30
+        K = min(K, N)
+        e2d = np.stack([rng.permutation(np.repeat(np.arange(E), n)) for _ in range(L)])
+        replicas = np.array([[rng.choice(np.nonzero(e2d[l] != d)[0], R, replace=False) for d in range(E)]
+                             for l in range(L)]).reshape(L, E, R)
+        placement = Placement(e2d, E, replicas=replicas)
+        experts = np.stack([[rng.choice(N, K, replace=False) for _ in range(L)] for _ in range(T)])
+        copies, p2l = placement.logical_to_physical_map(), placement.physical_to_logical()
+        for d in range(E):
+            want = serving_by_hand(placement.expert_device, placement.holds(), experts, np.full((T, L), d))
+            for l in range(L):
+                got = serving_slots(torch.from_numpy(experts[:, l]), torch.from_numpy(copies[l]),
+                                    placement.experts_per_device, E, d).numpy()
+                np.testing.assert_array_equal(p2l[l][got], experts[:, l])
+                np.testing.assert_array_equal(got // placement.experts_per_device, want[:, l])
 
 
 def test_replicas_are_validated():

@@ -166,10 +166,10 @@ class Placement:
         ``device``: the device's own copy (home or replica) where it holds one, else the
         expert's home slot. ``None``: home slots for every token (:meth:`logical_to_physical`).
 
-        This is how a serving rank maps its own tokens' experts (a replica serves the tokens of
-        the device holding it). It differs from :meth:`serving_device` only in *which* remote
-        copy serves a remote activation (here always the home copy), so local activations are
-        the same.
+        Which activations are local on ``device`` (a replica serves the tokens of the device
+        holding it): :meth:`serving_device` picks the same local copies and differs only in
+        *which* remote copy serves a remote activation (here always the home copy), so the
+        local count is the same.
         """
         copies = self.logical_to_physical_map()  # [L, N, C] physical slots, home first, -1 padded
         if device is None or not self.redundant:

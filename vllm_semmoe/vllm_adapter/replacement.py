@@ -26,8 +26,10 @@ space and mapping logical → physical ids after top-k selection
 
 Replicas (tables solved with ``--redundant R``): the layers are built with vLLM EPLB's
 physical layout, ``N + E*R`` slots (:func:`.compat.redundant_expert_slots`), and the map is
-per rank: a router maps each logical expert to this rank's own copy where it holds one, else to
-the home copy (:meth:`~vllm_semmoe.placement.Placement.device_map`). That is exact wherever
+per rank: a router maps each activation to this rank's own copy where it holds one, else to a
+copy on a rank the token is sent to anyway, else to one spread over the copies
+(:class:`PhysicalIds`; the rule the offline evaluation and ``bench-ep`` count,
+:meth:`~vllm_semmoe.placement.Placement.serving_device`). That is exact wherever
 every rank maps only the tokens it serves (DP ranks route their own requests; the TP shuffle
 computes only its scheduled tokens): each activation then names exactly one slot. The
 checkpoint's expert ``e`` is loaded into every slot holding a copy of ``e``.
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 
 from ..placement import Placement
+from ..placement_torch import serving_slots
 from . import compat
 from .config import SemMoEConfigError
 
@@ -106,12 +109,21 @@ class LayerPlacement:
 class PhysicalIds:
     """Replaces one router's ``_apply_eplb_mapping``: vLLM's step, then logical → physical.
 
-    Ids outside ``[0, N)`` (none in the routers vLLM 0.32 ships, but a sentinel is cheap to
-    keep) pass through unchanged.
+    Without replicas every logical expert has one slot, ``l2p[e]``. With replicas (``copies``:
+    ``[N, C]`` slots of each expert's copies, this layer's
+    :meth:`~vllm_semmoe.placement.Placement.logical_to_physical_map`) the slot is chosen per
+    activation for tokens on ``device`` by the rule the offline evaluation counts
+    (:func:`vllm_semmoe.placement_torch.serving_slots`, property-tested equal to
+    :meth:`~vllm_semmoe.placement.Placement.serving_device`): the rank's own copy, else a copy
+    on a rank the token is sent to anyway, else one spread over the copies. Ids outside
+    ``[0, N)`` (none in the routers vLLM 0.32 ships, but a sentinel is cheap to keep) pass
+    through unchanged.
     """
 
-    def __init__(self, original, l2p: torch.Tensor):
-        self.original, self.l2p = original, l2p
+    def __init__(self, original, l2p: torch.Tensor, copies: torch.Tensor | None = None, *,
+                 experts_per_device: int = 0, ep_size: int = 1, device: int | None = None):
+        self.original, self.l2p, self.copies = original, l2p, copies
+        self.experts_per_device, self.ep_size, self.device = experts_per_device, ep_size, device
         self.enabled = True
 
     def __call__(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +133,12 @@ class PhysicalIds:
         n = self.l2p.shape[0]
         long = ids.long()
         valid = (long >= 0) & (long < n)
-        mapped = self.l2p.to(long.device)[long.clamp(0, n - 1)]
+        if self.copies is None:
+            mapped = self.l2p.to(long.device)[long.clamp(0, n - 1)]
+        else:
+            rows = long.reshape(long.shape[0], -1) if long.ndim == 2 else long.reshape(-1, 1)
+            mapped = serving_slots(rows.clamp(0, n - 1), self.copies.to(long.device), self.experts_per_device,
+                                   self.ep_size, self.device).reshape(long.shape)
         return torch.where(valid, mapped, long).to(ids.dtype)
 
 
@@ -265,7 +282,10 @@ def install_placement(model: torch.nn.Module, runners: list, placement: Placemen
         router = runner.router
         if isinstance(router.__dict__.get("_apply_eplb_mapping"), PhysicalIds):
             raise RuntimeError("semmoe: placement installed twice on the same layer")
-        router._apply_eplb_mapping = PhysicalIds(router._apply_eplb_mapping, state.l2p)
+        per_activation = torch.from_numpy(copies[index].copy()).to(device) if slots and token_device is not None else None
+        router._apply_eplb_mapping = PhysicalIds(router._apply_eplb_mapping, state.l2p, per_activation,
+                                                 experts_per_device=placement.experts_per_device,
+                                                 ep_size=placement.ep_size, device=token_device)
         targets = [[int(s) for s in row if s >= 0] for row in copies[index]]
         mapping = targets if carried is None else [targets[e] for e in carried]
         logical = routing_tensor_ids(router)
