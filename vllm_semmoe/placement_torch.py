@@ -17,7 +17,9 @@ def serving_slots(ids: torch.Tensor, copies: torch.Tensor, experts_per_device: i
     token on ``device``: the device's own copy where it holds one (the activation is local);
     else, for an expert with one copy, its home; else, in slot order ``k``, the first of the
     expert's copies on a device the token is already sent to (the dispatch sends a token once
-    per destination device), failing that copy ``(row * K + k) mod copies``.
+    per destination device), failing that copy ``(row * K + k) mod copies``, ``row`` being the
+    token's row in ``ids`` (in serving, its row in the step's batch, as vLLM's EPLB spreads a
+    step's tokens over replicas; offline, its row in the trace).
 
     Args:
         ids: ``[T, K]`` logical expert ids in ``[0, N)``.

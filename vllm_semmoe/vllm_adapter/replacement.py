@@ -136,7 +136,7 @@ class PhysicalIds:
         if self.copies is None:
             mapped = self.l2p.to(long.device)[long.clamp(0, n - 1)]
         else:
-            rows = long.reshape(long.shape[0], -1) if long.ndim == 2 else long.reshape(-1, 1)
+            rows = long if long.ndim == 2 else long.reshape(-1, 1)  # [T, K]
             mapped = serving_slots(rows.clamp(0, n - 1), self.copies.to(long.device), self.experts_per_device,
                                    self.ep_size, self.device).reshape(long.shape)
         return torch.where(valid, mapped, long).to(ids.dtype)
