@@ -744,7 +744,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm_semmoe.vllm_adapter.recording import flush_capture
     llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-              tensor_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp",
+              tensor_parallel_size=cfg["tp"], enable_expert_parallel=True, distributed_executor_backend="mp",
               enable_prefix_caching=False, additional_config={"semmoe": cfg["semmoe"]})
     outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
                                                        ignore_eos=True), use_tqdm=False)
@@ -761,16 +761,17 @@ if __name__ == "__main__":
 """
 
 
-def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = False) -> dict:
-    """Greedy PROMPTS on TP=2 + EP with the plugin set to ``semmoe`` (:data:`SHUFFLE_SCRIPT`, in a
-    subprocess): outputs, each rank's flush summary and, with ``fingerprints``, each rank's
-    local expert weights."""
+def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = False, tp: int = 2) -> dict:
+    """Greedy PROMPTS on TP=``tp`` + EP with the plugin set to ``semmoe`` (:data:`SHUFFLE_SCRIPT`,
+    in a subprocess): outputs, each rank's flush summary and, with ``fingerprints``, each rank's
+    local expert weights. The ranks' OpenMP threads are bound round-robin to the 2 cores."""
     out = tmp_path / f"{name}.json"
     cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-           "fingerprints": fingerprints, "semmoe": semmoe}
+           "fingerprints": fingerprints, "semmoe": semmoe, "tp": tp}
     _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-        tmp_path / f"{name}.log", ENGINE_TIMEOUT_S)
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
+        tmp_path / f"{name}.log", ENGINE_TIMEOUT_S * tp // 2)
     return json.loads(out.read_text())
 
 
@@ -893,6 +894,62 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
     assert runs[1]["lar"] - runs[0]["lar"] >= runs[1]["replayed"] - runs[0]["replayed"] - 0.02, runs
     assert runs[1]["lar"] > runs[0]["lar"], runs
 
+
+def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tmp_path: Path) -> None:
+    """TP=4 + EP in ``tp`` mode with one replica slot per rank. At EP 2 a remote expert has one
+    copy the token can go to; at EP 4 it can have copies on two or more other ranks, and which
+    one serves the activation is the rule of :meth:`Placement.serving_device` (a rank the token
+    is sent to anyway, else the spread), applied in serving by
+    :func:`vllm_semmoe.placement_torch.serving_slots`. A wrong slot computes with another
+    expert's weights, so: every rank's slots hold the checkpoint experts the placement gives it,
+    greedy tokens equal TP=1's, the served routing gives the rule that choice to make (counted
+    offline on the capture with the serving rule), and the live LAR of the engine's all-to-all
+    is the offline replay's on the same steps, within 2 points."""
+    from safetensors.torch import load_file
+
+    from vllm_semmoe.evaluate import EvalConfig, scheduled_devices
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.prompts import load_prompts
+    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.vllm_adapter.engine import run_prompts
+
+    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
+    run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
+                semmoe={"capture": str(tmp_path / "profile.npz")})
+    profile = load_trace(tmp_path / "profile.npz")
+    placement = get_policy("semmoe").solve(profile, 4, mode="tp", redundant=1)
+    tables = build_tables(profile, placement, mode="tp")
+    tables.save(tmp_path / "r1")
+    result = _run_shuffle(tmp_path, "tp4_r1", {"tables": str(tmp_path / "r1"), "mode": "tp",
+                                               "capture": str(tmp_path / "served.npz")}, fingerprints=True, tp=4)
+    _assert_same_tokens(result["outputs"], reference, "TP=4 + EP, tp mode, 1 replica slot per rank")
+    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
+    slots, p2l = placement.experts_per_device, placement.physical_to_logical()
+    assert len(result["fingerprints"]) == 4
+    for rank, per_layer in enumerate(result["fingerprints"]):
+        for layer, local_sums in enumerate(per_layer):
+            want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
+                    for e in p2l[layer][rank * slots:(rank + 1) * slots]]
+            assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (rank, layer)
+    # the choice the rule makes: remote activations of an expert with two or more copies, none
+    # on the token's rank (the served routing, scheduled offline in 512-token batches)
+    served = load_trace(tmp_path / "served.npz")
+    device = scheduled_devices(served, placement, tables, EvalConfig(mode="tp"))  # [T, L]
+    serving = placement.serving_device(served.experts, device)  # [T, L, K]
+    count = placement.replica_count()[np.arange(served.num_layers)[None, :, None], served.experts]
+    choices = int(((serving != device[:, :, None]) & (count >= 2)).sum())
+    counters = [s["tp_shuffle"] for s in result["summaries"]]
+    assert all(c["fused_layers_run"] == c["layers_run"] > 0 for c in counters), counters
+    local = sum(c["local_activations"] for c in counters)
+    remote = sum(c["remote_activations"] for c in counters)
+    run = {"lar": local / (local + remote), "replayed": result["summaries"][0]["replayed"]["lar"],
+           "remote_multi_copy_activations": choices, "activations": int(served.experts.size),
+           "bytes_per_token": sum(c["dispatch_bytes"] + c["combine_bytes"] for c in counters)
+           / sum(c["tokens"] for c in counters)}
+    print("TP 4 shuffle with 1 replica slot per rank:", json.dumps(run))
+    assert choices > 0, run
+    assert abs(run["lar"] - run["replayed"]) <= 0.02, run
 
 def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
     """``semmoe bench-serve --tp 2``: stock vLLM TP 2 + EP, the shuffled pipeline on contiguous
