@@ -1,0 +1,191 @@
+"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): four studies of the DP placement.
+
+All on the DeepSeek-V2-Lite dev trace, EP 8, the solver as deployed (``SemMoEPolicy``'s DP
+co-clustering: 6 restarts, θ 0.21), IDF-weighted DP tables built on the profile. Each study
+prints, per case, ``oracle`` (every evaluated request on its best rank), ``pure`` (on its
+best-voted rank, no balance) and the balanced rule's LAR at knobs ``(balance, price step)``
+with its window imbalance relative to the online least-loaded balancer's (``lar@ratio``).
+
+- ``shrink`` (profile only, never evaluation requests): each seed's 20% profile split 50/50
+  both ways; the co-clustering fitted on one half with every request's counts replaced by
+  ``(1 - beta) * actual + beta * predicted`` (predicted: the sum of its tokens' mean expert
+  counts over the fit half; suffix ``i``: IDF-weighted, ``w``: cluster cap on work instead of
+  prompt tokens, ``c``: predicted counts cross-fitted over 5 folds); measured on the other
+  half, W = 64.
+- ``restarts`` (diagnostic, on evaluation requests): 20 single-restart co-clusterings of each
+  seed's profile; their profiled objective against what they reach on evaluation requests.
+- ``fit`` (diagnostic): the placement fitted on the profile, on the evaluation requests
+  themselves, or on every request; tables always from the profile; measured on evaluation.
+- ``curve`` (diagnostic): a placement fitted on n = 140 .. 1000 requests, tables from 280 of
+  them, measured on 399 other requests.
+
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve [--seeds 0,1]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vllm_semmoe import scheduling
+from vllm_semmoe.affinity import token_expert_counts
+from vllm_semmoe.placement import Placement
+from vllm_semmoe.policy.semmoe import DEFAULT_LOAD_PRICE, cocluster, request_expert_counts
+from vllm_semmoe.tables import build_tables, placement_device_counts, request_idf
+from vllm_semmoe.trace import load_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
+E = 8
+DEFAULT_KNOBS = (scheduling.DEFAULT_DP_BALANCE, scheduling.DEFAULT_DP_PRICE_STEP)
+
+
+def predicted_counts(fit, folds=0, idf=False, alpha=1.0):
+    """``[L, R, N]`` float64: every request's summed per-token mean expert counts (K per
+    token, smoothed towards the layer's expert prior); with ``folds``, a request's tokens take
+    their means from the other folds' requests (a token unseen there: the prior)."""
+    if not folds:
+        return _predicted(fit, fit, idf, alpha)
+    out = np.zeros((fit.num_layers, fit.num_requests, fit.num_experts))
+    fold = np.random.default_rng(7).permutation(fit.num_requests) % folds
+    for k in range(folds):
+        held = np.nonzero(fold == k)[0]
+        out[:, held] = _predicted(fit.select_requests(np.nonzero(fold != k)[0]), fit.select_requests(held),
+                                  idf, alpha)
+    return out
+
+
+def _predicted(source, target, idf, alpha):
+    token_ids, counts = token_expert_counts(source)  # [L, J, N]
+    K = source.top_k
+    prior = counts.sum(axis=1).astype(np.float64)
+    prior *= K / prior.sum(axis=1, keepdims=True)  # [L, N], sums to K
+    occurrences = counts[0].sum(axis=1) / K
+    mean = (counts + alpha * prior[:, None, :]) / (occurrences[None, :, None] + alpha)  # [L, J, N]
+    mean = np.concatenate([mean, prior[:, None, :]], axis=1)  # row J: a token never seen
+    row = np.minimum(np.searchsorted(token_ids, target.tokens), len(token_ids) - 1)
+    row = np.where(token_ids[row] == target.tokens, row, len(token_ids))
+    weight = np.append(request_idf(source, token_ids), np.log(source.num_requests + 1.0) + 1.0)[row] \
+        if idf else np.ones(len(row))
+    request = np.repeat(np.arange(target.num_requests), np.diff(target.offsets))
+    out = np.zeros((source.num_layers, target.num_requests, source.num_experts))
+    for l in range(source.num_layers):
+        np.add.at(out[l], request, mean[l, row] * weight[:, None])
+    return out
+
+
+def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=6):
+    """The DP co-clustering of ``SemMoEPolicy`` on (optionally shrunk) request counts;
+    returns ``(placement, profiled objective)``."""
+    counts = request_expert_counts(fit).astype(np.float64)
+    if beta:
+        counts = (1 - beta) * counts + beta * predicted_counts(fit, folds, idf)
+    lengths = np.diff(fit.offsets)
+    weight = scheduling.request_work(lengths) if work_cap else lengths
+    e2d, _, objective = cocluster(counts, weight, E, eps=0.05, iters=12, restarts=restarts,
+                                  rng=np.random.default_rng(seed), load_price=DEFAULT_LOAD_PRICE)
+    return Placement(e2d, E, "semmoe"), objective
+
+
+def measure(tables_from, target, placement, knobs, window):
+    """``[oracle, pure, lar_1, ratio_1, ...]`` on ``target`` with tables built on ``tables_from``."""
+    counts = placement_device_counts(target.experts, placement)
+    local = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), target.offsets[:-1], axis=0)  # [R, E]
+    activations = target.num_tokens * target.num_layers * target.top_k
+    tables = build_tables(tables_from, placement, mode="dp")
+    votes = scheduling.request_votes(tables.token_rows(target.tokens), target.offsets,
+                                     tables.t2d_score.astype(np.float32), tables.oov_score)
+    work = scheduling.request_work(np.diff(target.offsets))
+    least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
+    rows = np.arange(target.num_requests)
+    out = [local.max(axis=1).sum() / activations, local[rows, votes.argmax(axis=1)].sum() / activations]
+    for balance, step in knobs:
+        rank = scheduling.dp_assign(votes, work, balance, window, False, step)
+        out += [local[rows, rank].sum() / activations, scheduling.window_imbalance(rank, work, E, window) / least]
+    return out
+
+
+def fmt(m):
+    return f"oracle {m[0]:.4f} pure {m[1]:.4f} " + " ".join(f"{m[i]:.4f}@{m[i + 1]:.3f}" for i in range(2, len(m), 2))
+
+
+def study_shrink(trace, seeds, variants):
+    knobs = [DEFAULT_KNOBS, (128.0, 0.2), (256.0, 0.2), (64.0, 0.4), (128.0, 0.4)]
+    print("knobs:", knobs)
+    results = {v: [] for v in variants}
+    for seed in seeds:
+        profile, _ = trace.split(0.2, seed)
+        a, b = profile.split(0.5, 100 + seed)
+        for fit, held in ((a, b), (b, a)):
+            for v in variants:
+                beta = float(v.rstrip("iwc"))
+                placement, _ = solve(fit, seed, beta, idf="i" in v, work_cap="w" in v, folds=5 if "c" in v else 0)
+                results[v].append(measure(fit, held, placement, knobs, 64))
+                print(f"seed {seed} beta {v}: {fmt(results[v][-1])}", flush=True)
+    for v in variants:
+        print(f"mean, beta {v}: {fmt(np.mean(results[v], axis=0))}")
+
+
+def study_restarts(trace, seeds):
+    knobs = [(0.0, 0.2), DEFAULT_KNOBS]
+    print("knobs:", knobs, "W = 256; columns: profiled objective, then the evaluation figures")
+    for seed in seeds:
+        profile, evaluation = trace.split(0.2, seed)
+        rows = []
+        for r in range(20):
+            placement, objective = solve(profile, 1000 + r, restarts=1)
+            rows.append([objective] + measure(profile, evaluation, placement, knobs, 256))
+        rows = np.array(rows)
+        for row in rows[np.argsort(-rows[:, 0])]:
+            print(f"seed {seed}: profiled {row[0]:.4f} | {fmt(row[1:])}")
+        corr = [np.corrcoef(rows[:, 0], rows[:, i])[0, 1] for i in (1, 2, 3, 5)]
+        print(f"seed {seed}: range over restarts: oracle {rows[:, 1].min():.4f}-{rows[:, 1].max():.4f}, "
+              f"knob 0 {rows[:, 3].min():.4f}-{rows[:, 3].max():.4f}, default {rows[:, 5].min():.4f}-"
+              f"{rows[:, 5].max():.4f}; correlation of the profiled objective with oracle / pure / "
+              f"knob 0 / default: {' / '.join(f'{c:.2f}' for c in corr)}", flush=True)
+
+
+def study_fit(trace, seeds):
+    knobs = [(0.0, 0.2), DEFAULT_KNOBS]
+    print("knobs:", knobs, "W = 256")
+    for seed in seeds:
+        profile, evaluation = trace.split(0.2, seed)
+        for name, fit in (("profile (as deployed)", profile), ("evaluation requests", evaluation),
+                          ("every request", trace)):
+            placement, _ = solve(fit, seed)
+            print(f"seed {seed}, placement fitted on {name}: {fmt(measure(profile, evaluation, placement, knobs, 256))}",
+                  flush=True)
+
+
+def study_curve(trace, seeds):
+    knobs = [(0.0, 0.2)]
+    print("knobs:", knobs, "W = 128")
+    for seed in seeds:
+        order = np.random.default_rng(50 + seed).permutation(trace.num_requests)
+        test = trace.select_requests(np.sort(order[:399]))
+        tables_from = trace.select_requests(np.sort(order[399:399 + 280]))
+        for n in (140, 280, 560, 1000):
+            placement, _ = solve(trace.select_requests(np.sort(order[399:399 + n])), seed)
+            print(f"seed {seed}, fitted on {n} requests: {fmt(measure(tables_from, test, placement, knobs, 128))}",
+                  flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve"))
+    parser.add_argument("--seeds", default=None, help="default: 0-4 for shrink, 0,1 otherwise")
+    parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
+    parser.add_argument("--trace", default=str(TRACE))
+    args = parser.parse_args()
+    trace = load_trace(args.trace)
+    seeds = [int(s) for s in (args.seeds or ("0,1,2,3,4" if args.study == "shrink" else "0,1")).split(",")]
+    start = time.time()
+    if args.study == "shrink":
+        study_shrink(trace, seeds, args.variants.split(","))
+    else:
+        {"restarts": study_restarts, "fit": study_fit, "curve": study_curve}[args.study](trace, seeds)
+    print(f"({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
