@@ -1,4 +1,4 @@
-"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): four studies of the DP placement.
+"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): five studies of the DP placement.
 
 All on the DeepSeek-V2-Lite dev trace, EP 8, the solver as deployed (``SemMoEPolicy``'s DP
 co-clustering: 6 restarts, θ 0.21), IDF-weighted DP tables built on the profile. Each study
@@ -18,8 +18,13 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
   themselves, or on every request; tables always from the profile; measured on evaluation.
 - ``curve`` (diagnostic): a placement fitted on n = 140 .. 1000 requests, tables from 280 of
   them, measured on 399 other requests.
+- ``online`` (a simulation, no look-ahead): the evaluation stream in blocks of 280 requests;
+  block k is served by a placement and tables re-solved on the profile plus the routing of
+  every request served before it (what a deployment that re-places experts periodically from
+  its own capture would have), its device labels matched to the previous placement's (fewest
+  expert moves); one router over the whole stream.
 
-    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve [--seeds 0,1]
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online [--seeds 0,1]
 """
 
 import argparse
@@ -31,6 +36,7 @@ import numpy as np
 from vllm_semmoe import scheduling
 from vllm_semmoe.affinity import token_expert_counts
 from vllm_semmoe.placement import Placement
+from vllm_semmoe.policy.lp import assign_experts
 from vllm_semmoe.policy.semmoe import DEFAULT_LOAD_PRICE, cocluster, request_expert_counts
 from vllm_semmoe.tables import build_tables, placement_device_counts, request_idf
 from vllm_semmoe.trace import load_trace
@@ -170,9 +176,59 @@ def study_curve(trace, seeds):
                   flush=True)
 
 
+def relabel(previous, placement):
+    """``placement`` with its devices renamed to keep the most (layer, expert) pairs where
+    ``previous`` has them (a perfect matching; fewest expert weights to move)."""
+    overlap = np.zeros((E, E))
+    np.add.at(overlap, (previous.expert_device.ravel(), placement.expert_device.ravel()), 1)
+    label = assign_experts(overlap)  # [new device] -> previous label
+    return Placement(label[placement.expert_device], E, placement.method)
+
+
+def study_online(trace, seeds, block=280):
+    knobs = [(0.0, 0.2), DEFAULT_KNOBS]
+    window = 256
+    print("knobs:", knobs, f"W = {window}, blocks of {block} requests")
+    for seed in seeds:
+        profile, evaluation = trace.split(0.2, seed)
+        R = evaluation.num_requests
+        work = scheduling.request_work(np.diff(evaluation.offsets))
+        least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
+        profiled = np.searchsorted(trace.request_ids, profile.request_ids)
+        served = np.searchsorted(trace.request_ids, evaluation.request_ids)
+        for online in (False, True):
+            local = np.zeros((R, E))
+            votes = np.zeros((R, E))
+            moved, placement = [], None
+            for start in range(0, R, block):
+                requests = np.arange(start, min(start + block, R))
+                if placement is None or online:
+                    seen = trace.select_requests(np.sort(np.concatenate([profiled, served[:start]])))
+                    new, _ = solve(seen, seed)
+                    if placement is not None:
+                        new = relabel(placement, new)
+                        moved.append(float((new.expert_device != placement.expert_device).mean()))
+                    placement = new
+                    tables = build_tables(seen, placement, mode="dp")
+                part = evaluation.select_requests(requests)
+                counts = placement_device_counts(part.experts, placement)
+                local[requests] = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), part.offsets[:-1], axis=0)
+                votes[requests] = scheduling.request_votes(tables.token_rows(part.tokens), part.offsets,
+                                                           tables.t2d_score.astype(np.float32), tables.oov_score)
+            activations = evaluation.num_tokens * evaluation.num_layers * evaluation.top_k
+            rows = np.arange(R)
+            m = [local.max(axis=1).sum() / activations, local[rows, votes.argmax(axis=1)].sum() / activations]
+            for balance, step in knobs:  # one router over the whole stream: prices and loads carry on
+                rank = scheduling.dp_assign(votes, work, balance, window, False, step)
+                m += [local[rows, rank].sum() / activations, scheduling.window_imbalance(rank, work, E, window) / least]
+            what = (f"re-placed every {block} requests (experts moved per re-placement: "
+                    + ", ".join(f"{x:.0%}" for x in moved) + ")") if online else "profile placement"
+            print(f"seed {seed}, {what}: {fmt(m)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve"))
+    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online"))
     parser.add_argument("--seeds", default=None, help="default: 0-4 for shrink, 0,1 otherwise")
     parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
     parser.add_argument("--trace", default=str(TRACE))
@@ -183,7 +239,8 @@ def main() -> None:
     if args.study == "shrink":
         study_shrink(trace, seeds, args.variants.split(","))
     else:
-        {"restarts": study_restarts, "fit": study_fit, "curve": study_curve}[args.study](trace, seeds)
+        {"restarts": study_restarts, "fit": study_fit, "curve": study_curve,
+         "online": study_online}[args.study](trace, seeds)
     print(f"({time.time() - start:.0f} s)")
 
 
