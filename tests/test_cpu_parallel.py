@@ -710,11 +710,26 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
             pass
 
 
+def _assert_slots_hold_placement(fingerprints: list, placement, what: str) -> None:
+    """Every rank's expert slots hold the checkpoint experts ``placement`` gives it:
+    ``fingerprints[rank][layer]`` (``replacement.local_expert_fingerprints``: the sum of each
+    local slot's ``down_proj`` weight) against the checkpoint's, slot by slot."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
+    slots, p2l = placement.experts_per_device, placement.physical_to_logical()
+    assert len(fingerprints) == placement.ep_size, (what, len(fingerprints))
+    for rank, per_layer in enumerate(fingerprints):
+        for layer, local_sums in enumerate(per_layer):
+            assert len(local_sums) == slots, (what, rank, layer, len(local_sums))
+            want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
+                    for e in p2l[layer][rank * slots:(rank + 1) * slots]]
+            assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (what, rank, layer)
+
+
 def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
     gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
-    from safetensors.torch import load_file
-
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
@@ -725,14 +740,7 @@ def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tmp_pa
     result = _generate(tmp_path, "tp2_ep_placed", tp=2, ep=True, backend="mp", extra_env={
         "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }, semmoe={"tables": str(tmp_path / "tables")})
-    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
-    p2l = placement.physical_to_logical()
-    for rank, per_layer in enumerate(result["expert_fingerprints"]):
-        for layer, local_sums in enumerate(per_layer):
-            expected = p2l[layer][rank * 16 : (rank + 1) * 16]
-            want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
-                    for e in expected]
-            assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (rank, layer)
+    _assert_slots_hold_placement(result["expert_fingerprints"], placement, "TP=2 + EP, Sem-MoE placement")
     _assert_same_tokens(result["outputs"], reference, "TP=2 + EP with a Sem-MoE placement")
 
 
@@ -855,8 +863,6 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
     with the checkpoint's), greedy tokens equal TP=1's, and the activations the engine's
     all-to-all found local rise over the same solver without replicas by at least the offline
     prediction's rise on the captured routing, less 2 points."""
-    from safetensors.torch import load_file
-
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.prompts import load_prompts
     from vllm_semmoe.tables import build_tables
@@ -867,7 +873,6 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
     run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
                 semmoe={"capture": str(tmp_path / "profile.npz")})
     profile = load_trace(tmp_path / "profile.npz")
-    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
     runs = {}
     for R in (0, 1):
         placement = get_policy("semmoe").solve(profile, 2, mode="tp", redundant=R)
@@ -876,14 +881,7 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
         result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
                                                    "capture": str(tmp_path / f"r{R}_served.npz")}, fingerprints=True)
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
-        slots = placement.experts_per_device
-        p2l = placement.physical_to_logical()
-        for rank, per_layer in enumerate(result["fingerprints"]):
-            for layer, local_sums in enumerate(per_layer):
-                assert len(local_sums) == slots, (rank, layer, len(local_sums))
-                want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
-                        for e in p2l[layer][rank * slots:(rank + 1) * slots]]
-                assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (R, rank, layer)
+        _assert_slots_hold_placement(result["fingerprints"], placement, f"TP=2 + EP, {R} replica slot(s)")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
         local = sum(c["local_activations"] for c in counters)
         remote = sum(c["remote_activations"] for c in counters)
@@ -905,8 +903,6 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tm
     greedy tokens equal TP=1's, the served routing gives the rule that choice to make (counted
     offline on the capture with the serving rule), and the live LAR of the engine's all-to-all
     is the offline replay's on the same steps, within 2 points."""
-    from safetensors.torch import load_file
-
     from vllm_semmoe.evaluate import EvalConfig, scheduled_devices
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.prompts import load_prompts
@@ -924,14 +920,7 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tm
     result = _run_shuffle(tmp_path, "tp4_r1", {"tables": str(tmp_path / "r1"), "mode": "tp",
                                                "capture": str(tmp_path / "served.npz")}, fingerprints=True, tp=4)
     _assert_same_tokens(result["outputs"], reference, "TP=4 + EP, tp mode, 1 replica slot per rank")
-    weights = load_file(str(Path(tiny_moe_path()) / "model.safetensors"))
-    slots, p2l = placement.experts_per_device, placement.physical_to_logical()
-    assert len(result["fingerprints"]) == 4
-    for rank, per_layer in enumerate(result["fingerprints"]):
-        for layer, local_sums in enumerate(per_layer):
-            want = [float(weights[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].float().sum())
-                    for e in p2l[layer][rank * slots:(rank + 1) * slots]]
-            assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (rank, layer)
+    _assert_slots_hold_placement(result["fingerprints"], placement, "TP=4 + EP, 1 replica slot per rank")
     # the choice the rule makes: remote activations of an expert with two or more copies, none
     # on the token's rank (the served routing, scheduled offline in 512-token batches)
     served = load_trace(tmp_path / "served.npz")
