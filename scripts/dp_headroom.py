@@ -37,7 +37,7 @@ from vllm_semmoe import scheduling
 from vllm_semmoe.affinity import token_expert_counts
 from vllm_semmoe.placement import Placement
 from vllm_semmoe.policy.lp import assign_experts
-from vllm_semmoe.policy.semmoe import DEFAULT_LOAD_PRICE, cocluster, request_expert_counts
+from vllm_semmoe.policy.semmoe import SemMoEPolicy, cocluster, request_expert_counts
 from vllm_semmoe.tables import build_tables, placement_device_counts, request_idf
 from vllm_semmoe.trace import load_trace
 
@@ -80,27 +80,36 @@ def _predicted(source, target, idf, alpha):
     return out
 
 
-def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=6):
-    """The DP co-clustering of ``SemMoEPolicy`` on (optionally shrunk) request counts;
-    returns ``(placement, profiled objective)``."""
+def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=None):
+    """The DP co-clustering of ``SemMoEPolicy`` (its own settings; ``restarts`` overrides its
+    count) on (optionally shrunk) request counts; returns ``(placement, profiled objective)``.
+    With ``beta = 0`` this is ``SemMoEPolicy().solve(fit, E, mode="dp", seed=seed)``."""
+    policy = SemMoEPolicy()
     counts = request_expert_counts(fit).astype(np.float64)
     if beta:
         counts = (1 - beta) * counts + beta * predicted_counts(fit, folds, idf)
     lengths = np.diff(fit.offsets)
     weight = scheduling.request_work(lengths) if work_cap else lengths
-    e2d, _, objective = cocluster(counts, weight, E, eps=0.05, iters=12, restarts=restarts,
-                                  rng=np.random.default_rng(seed), load_price=DEFAULT_LOAD_PRICE)
-    return Placement(e2d, E, "semmoe"), objective
+    e2d, _, objective = cocluster(counts, weight, E, eps=policy.eps, iters=policy.iters,
+                                  restarts=policy.restarts if restarts is None else restarts,
+                                  rng=np.random.default_rng(seed), load_slack=policy.load_slack,
+                                  load_price=policy.load_price)
+    return Placement(e2d, E, policy.name), objective
+
+
+def local_and_votes(tables, target):
+    """``([R, E] local activations of each request per rank, [R, E] its T2D votes)``."""
+    counts = placement_device_counts(target.experts, tables.placement)
+    local = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), target.offsets[:-1], axis=0)
+    votes = scheduling.request_votes(tables.token_rows(target.tokens), target.offsets,
+                                     tables.t2d_score.astype(np.float32), tables.oov_score)
+    return local, votes
 
 
 def measure(tables_from, target, placement, knobs, window):
     """``[oracle, pure, lar_1, ratio_1, ...]`` on ``target`` with tables built on ``tables_from``."""
-    counts = placement_device_counts(target.experts, placement)
-    local = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), target.offsets[:-1], axis=0)  # [R, E]
     activations = target.num_tokens * target.num_layers * target.top_k
-    tables = build_tables(tables_from, placement, mode="dp")
-    votes = scheduling.request_votes(tables.token_rows(target.tokens), target.offsets,
-                                     tables.t2d_score.astype(np.float32), tables.oov_score)
+    local, votes = local_and_votes(build_tables(tables_from, placement, mode="dp"), target)
     work = scheduling.request_work(np.diff(target.offsets))
     least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
     rows = np.arange(target.num_requests)
@@ -210,11 +219,7 @@ def study_online(trace, seeds, block=280):
                         moved.append(float((new.expert_device != placement.expert_device).mean()))
                     placement = new
                     tables = build_tables(seen, placement, mode="dp")
-                part = evaluation.select_requests(requests)
-                counts = placement_device_counts(part.experts, placement)
-                local[requests] = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), part.offsets[:-1], axis=0)
-                votes[requests] = scheduling.request_votes(tables.token_rows(part.tokens), part.offsets,
-                                                           tables.t2d_score.astype(np.float32), tables.oov_score)
+                local[requests], votes[requests] = local_and_votes(tables, evaluation.select_requests(requests))
             activations = evaluation.num_tokens * evaluation.num_layers * evaluation.top_k
             rows = np.arange(R)
             m = [local.max(axis=1).sum() / activations, local[rows, votes.argmax(axis=1)].sum() / activations]

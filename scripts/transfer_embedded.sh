@@ -31,14 +31,11 @@ for target in sharegpt_other mmlu wikitext; do
             --method semmoe --oov-neighbours "$MODEL" --json "$OUT/$target-$mode-nn.json" > /dev/null 2>> "$OUT/eval.log"
         .venv/bin/python - "$OUT/$target-$mode.json" "$OUT/$target-$mode-nn.json" "$target" "$mode" <<'PY'
 import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-def m(d, k):
-    d = d.get("methods", d)
-    return d[k]
-s = m(a, 'semmoe')
-window = f"{s['window_imbalance'] / s['window_imbalance_least_loaded']:.3f}x" if 'window_imbalance' in s else '-'
-print(f"{sys.argv[3]:<16}{sys.argv[4]:<5}{m(a, 'vanilla')['lar']:>9.4f}{s['lar']:>9.4f}"
-      f"{m(b, 'semmoe')['lar']:>11.4f}{s['expert_imbalance']:>10.3f}{m(a, 'vanilla')['expert_imbalance']:>12.3f}{window:>10}")
+a, b = (json.load(open(p))["methods"] for p in sys.argv[1:3])
+s, v = a["semmoe"], a["vanilla"]
+window = f"{s['window_imbalance'] / s['window_imbalance_least_loaded']:.3f}x" if "window_imbalance" in s else "-"
+print(f"{sys.argv[3]:<16}{sys.argv[4]:<5}{v['lar']:>9.4f}{s['lar']:>9.4f}{b['semmoe']['lar']:>11.4f}"
+      f"{s['expert_imbalance']:>10.3f}{v['expert_imbalance']:>12.3f}{window:>10}")
 PY
     done
 done

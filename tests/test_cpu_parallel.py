@@ -248,6 +248,20 @@ def test_fixes_installed_and_idempotent() -> None:
     assert not hasattr(original, cpu_fixes.PATCH_MARKER)
 
 
+@pytest.fixture(scope="module")
+def sharegpt_profile(tmp_path_factory: pytest.TempPathFactory):
+    """The routing the shuffle tests solve their tables on: 80 ShareGPT prompts (#3000-3079,
+    8 generated tokens each) captured in one process (TP=1), once per module."""
+    from vllm_semmoe.prompts import load_prompts
+    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.vllm_adapter.engine import run_prompts
+
+    path = tmp_path_factory.mktemp("sharegpt_profile") / "profile.npz"
+    run_prompts(str(tiny_moe_path()), load_prompts(str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"), 80, skip=3000),
+                max_tokens=8, semmoe={"capture": str(path)})
+    return load_trace(path)
+
+
 @pytest.fixture()
 def fake_targets(monkeypatch: pytest.MonkeyPatch):
     """Point the fixes at throw-away classes, to test the guard without touching vLLM."""
@@ -783,7 +797,7 @@ def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = F
     return json.loads(out.read_text())
 
 
-def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None:
+def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode: tokens scheduled to their experts' rank, real all-to-all of the
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
     all-to-all actually moved drop (vs the same pipeline with contiguous slices and vLLM's
@@ -793,20 +807,14 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None
     4-token decodes), as the plugin's live meter computes it."""
     from vllm_semmoe.evaluate import EvalConfig, evaluate
     from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.prompts import load_prompts
     from vllm_semmoe.tables import build_tables
     from vllm_semmoe.trace import load_trace
-    from vllm_semmoe.vllm_adapter.engine import run_prompts
     from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
-    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
-    run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
-                semmoe={"capture": str(tmp_path / "profile.npz")})
-    profile = load_trace(tmp_path / "profile.npz")
     runs = {}
     for method in ("vanilla", "semmoe"):
-        placement = get_policy(method).solve(profile, 2, mode="tp")
-        tables = build_tables(profile, placement, mode="tp")
+        placement = get_policy(method).solve(sharegpt_profile, 2, mode="tp")
+        tables = build_tables(sharegpt_profile, placement, mode="tp")
         tables.save(tmp_path / method)
         result = _run_shuffle(tmp_path, method, {"tables": str(tmp_path / method), "mode": "tp",
                                                  "capture": str(tmp_path / f"{method}_served.npz")})
@@ -856,7 +864,7 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tmp_path: Path) -> None
     assert total["semmoe"] < total["vanilla"], total
 
 
-def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path) -> None:
+def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profile, tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode with tables solved with one replica slot per rank (``--redundant
     1``): the MoE layers are built with vLLM EPLB's layout of ``E * R`` redundant slots, each
     rank's ``N/E + R`` slots hold the checkpoint experts the placement gives it (weights compared
@@ -864,20 +872,13 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
     all-to-all found local rise over the same solver without replicas by at least the offline
     prediction's rise on the captured routing, less 2 points."""
     from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.prompts import load_prompts
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.trace import load_trace
-    from vllm_semmoe.vllm_adapter.engine import run_prompts
 
-    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
-    run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
-                semmoe={"capture": str(tmp_path / "profile.npz")})
-    profile = load_trace(tmp_path / "profile.npz")
     runs = {}
     for R in (0, 1):
-        placement = get_policy("semmoe").solve(profile, 2, mode="tp", redundant=R)
+        placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp", redundant=R)
         assert placement.redundant == R
-        build_tables(profile, placement, mode="tp").save(tmp_path / f"r{R}")
+        build_tables(sharegpt_profile, placement, mode="tp").save(tmp_path / f"r{R}")
         result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
                                                    "capture": str(tmp_path / f"r{R}_served.npz")}, fingerprints=True)
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
@@ -893,7 +894,7 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tmp_path: Path)
     assert runs[1]["lar"] > runs[0]["lar"], runs
 
 
-def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tmp_path: Path) -> None:
+def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sharegpt_profile, tmp_path: Path) -> None:
     """TP=4 + EP in ``tp`` mode with one replica slot per rank. At EP 2 a remote expert has one
     copy the token can go to; at EP 4 it can have copies on two or more other ranks, and which
     one serves the activation is the rule of :meth:`Placement.serving_device` (a rank the token
@@ -905,17 +906,11 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tm
     is the offline replay's on the same steps, within 2 points."""
     from vllm_semmoe.evaluate import EvalConfig, scheduled_devices
     from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.prompts import load_prompts
     from vllm_semmoe.tables import build_tables
     from vllm_semmoe.trace import load_trace
-    from vllm_semmoe.vllm_adapter.engine import run_prompts
 
-    sharegpt = DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"
-    run_prompts(str(tiny_moe_path()), load_prompts(str(sharegpt), 80, skip=3000), max_tokens=8,
-                semmoe={"capture": str(tmp_path / "profile.npz")})
-    profile = load_trace(tmp_path / "profile.npz")
-    placement = get_policy("semmoe").solve(profile, 4, mode="tp", redundant=1)
-    tables = build_tables(profile, placement, mode="tp")
+    placement = get_policy("semmoe").solve(sharegpt_profile, 4, mode="tp", redundant=1)
+    tables = build_tables(sharegpt_profile, placement, mode="tp")
     tables.save(tmp_path / "r1")
     result = _run_shuffle(tmp_path, "tp4_r1", {"tables": str(tmp_path / "r1"), "mode": "tp",
                                                "capture": str(tmp_path / "served.npz")}, fingerprints=True, tp=4)
@@ -939,6 +934,7 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], tm
     print("TP 4 shuffle with 1 replica slot per rank:", json.dumps(run))
     assert choices > 0, run
     assert abs(run["lar"] - run["replayed"]) <= 0.02, run
+
 
 def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
     """``semmoe bench-serve --tp 2``: stock vLLM TP 2 + EP, the shuffled pipeline on contiguous
