@@ -1,4 +1,4 @@
-"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): five studies of the DP placement.
+"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): six studies of the DP placement.
 
 All on the DeepSeek-V2-Lite dev trace, EP 8, the solver as deployed (``SemMoEPolicy``'s DP
 co-clustering: 6 restarts, θ 0.21), IDF-weighted DP tables built on the profile. Each study
@@ -23,8 +23,17 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
   every request served before it (what a deployment that re-places experts periodically from
   its own capture would have), its device labels matched to the previous placement's (fewest
   expert moves); one router over the whole stream.
+- ``foresight`` (diagnostic, on evaluation requests): the deployed placement's LAR within 1.05x
+  least-loaded's window imbalance (W = 256) for the online rule with the T2D votes (as served)
+  and with every request's true local counts as its votes (a router that knew each request's
+  routing in advance), knobs the best of a grid in hindsight (per seed, and one pair for every
+  seed), and the per-window optimum with look-ahead and true counts
+  (:func:`windowed_optimum`).
 
-    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online [--seeds 0,1]
+The ``default`` knobs are ``scheduling``'s (balance 4, price step 0.3 since 2026-12-03; the
+figures of benchmarks/SEEDS.md printed before that are at 64, 0.2).
+
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight [--seeds 0,1]
 """
 
 import argparse
@@ -231,9 +240,73 @@ def study_online(trace, seeds, block=280):
             print(f"seed {seed}, {what}: {fmt(m)}", flush=True)
 
 
+def knob_curve(local, votes, work, window, least, grid):
+    """``[len(grid), 2]``: the router's local activations and window imbalance relative to
+    least-loaded's at each ``(balance, price step)`` of ``grid``."""
+    rows = np.arange(len(work))
+    out = []
+    for balance, step in grid:
+        rank = scheduling.dp_assign(votes, work, balance, window, False, step)
+        out.append((local[rows, rank].sum(), scheduling.window_imbalance(rank, work, E, window) / least))
+    return np.array(out)
+
+
+def windowed_optimum(local, work, window, rho):
+    """``[R]`` rank per request, with look-ahead and perfect foresight: each window of ``window``
+    consecutive requests assigned offline to maximise its local activations with every rank's
+    work at most ``rho`` × the window's mean (:func:`.scheduling.balanced_assignment`)."""
+    rank = np.empty(len(work), np.int64)
+    for s in range(0, len(work), window):
+        w = work[s:s + window]
+        rank[s:s + window], _ = scheduling.balanced_assignment(
+            local[s:s + window] / w[:, None], w, rho * w.sum() / E, 400)
+    return rank
+
+
+def study_foresight(trace, seeds, window=256, bar=1.05):
+    grid = [(b, s) for b in (0.0, 4.0, 16.0, 64.0, 256.0) for s in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)]
+    print(f"W = {window}; knobs: the best of {len(grid)} within {bar}x least-loaded's window imbalance, "
+          "chosen with hindsight on the evaluation requests, per seed or one pair for every seed")
+    oracle, optimum, curves = [], [], {"T2D votes (as served)": [], "true counts (perfect foresight)": []}
+    for seed in seeds:
+        profile, evaluation = trace.split(0.2, seed)
+        placement, _ = solve(profile, seed)
+        local, votes = local_and_votes(build_tables(profile, placement, mode="dp"), evaluation)
+        local = local.astype(np.float64)
+        activations = evaluation.num_tokens * evaluation.num_layers * evaluation.top_k
+        work = scheduling.request_work(np.diff(evaluation.offsets))
+        least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
+        for name, v in zip(curves, (votes, local)):
+            curve = knob_curve(local, v, work, window, least, grid)
+            curve[:, 0] /= activations
+            curves[name].append(curve)
+        rank = windowed_optimum(local, work, window, bar * least)
+        oracle.append(local.max(axis=1).sum() / activations)
+        optimum.append((local[np.arange(len(work)), rank].sum() / activations,
+                        scheduling.window_imbalance(rank, work, E, window) / least))
+        line = [f"seed {seed}: oracle {oracle[-1]:.4f}"]
+        for name in curves:
+            c = curves[name][-1]
+            ok = np.nonzero(c[:, 1] <= bar)[0]
+            i = ok[np.argmax(c[ok, 0])]
+            line.append(f"online router, {name} {c[i, 0]:.4f} @ {c[i, 1]:.3f} {grid[i]}")
+        line.append(f"per-window optimum, true counts {optimum[-1][0]:.4f} @ {optimum[-1][1]:.3f}")
+        print(" | ".join(line), flush=True)
+    print(f"oracle {np.mean(oracle):.4f} ± {np.std(oracle):.4f}; per-window optimum with perfect foresight "
+          f"{np.mean([o[0] for o in optimum]):.4f} ± {np.std([o[0] for o in optimum]):.4f}")
+    for name, c in curves.items():
+        c = np.array(c)  # [seeds, grid, 2]
+        per_seed = [ci[np.nonzero(ci[:, 1] <= bar)[0]][:, 0].max(initial=0.0) for ci in c]
+        ok = np.nonzero(c[:, :, 1].max(axis=0) <= bar)[0]
+        i = ok[np.argmax(c[:, ok, 0].mean(axis=0))]
+        print(f"online router, {name}: knobs per seed {np.mean(per_seed):.4f} ± {np.std(per_seed):.4f}; "
+              f"one pair for every seed {grid[i]}: {c[:, i, 0].mean():.4f} ± {c[:, i, 0].std():.4f} "
+              f"(worst seed {c[:, i, 0].min():.4f}, ratio at most {c[:, i, 1].max():.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online"))
+    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online", "foresight"))
     parser.add_argument("--seeds", default=None, help="default: 0-4 for shrink, 0,1 otherwise")
     parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
     parser.add_argument("--trace", default=str(TRACE))
@@ -245,7 +318,7 @@ def main() -> None:
         study_shrink(trace, seeds, args.variants.split(","))
     else:
         {"restarts": study_restarts, "fit": study_fit, "curve": study_curve,
-         "online": study_online}[args.study](trace, seeds)
+         "online": study_online, "foresight": study_foresight}[args.study](trace, seeds)
     print(f"({time.time() - start:.0f} s)")
 
 
