@@ -100,9 +100,9 @@ def _balance_ratio(row) -> np.ndarray:
 
 def test_dp_lock_step_balance_as_good_as_least_loaded(dp):
     ours = dp[0]["semmoe"]
-    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 0.998-1.040, mean 1.018
+    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 0.998-1.045, mean 1.016
     assert np.all(seeds(ours["window_imbalance"]) < seeds(ours["window_imbalance_round_robin"]))
-    assert np.all(seeds(ours["lar"]) >= 0.158)  # seeds 0-4: 0.1613-0.1635, mean 0.1625
+    assert np.all(seeds(ours["lar"]) >= 0.162)  # seeds 0-4: 0.1649-0.1670, mean 0.1661
     for other in ("vanilla", "eplb"):
         assert np.all(seeds(ours["lar"]) > seeds(dp[0][other]["lar_with_semmoe_sched"]))
 
@@ -110,10 +110,10 @@ def test_dp_lock_step_balance_as_good_as_least_loaded(dp):
 def test_issue10_bar_dp_with_one_replica_every_seed(dp):
     """Issue 10's DP bar (LAR >= 0.175 at window imbalance <= 1.05 x least-loaded's) on every
     seed with R = 1 (9 physical experts per rank instead of 8), the knobs chosen on the profile
-    (balance 64, price step 0.2). Without replicas the LAR misses (the strict xfail below)."""
+    (balance 4, price step 0.3). Without replicas the LAR misses (the strict xfail below)."""
     ours = dp[1]["semmoe"]
-    assert np.all(seeds(ours["lar"]) >= 0.185)  # seeds 0-4: 0.1906-0.1930, mean 0.1921
-    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 1.006-1.034, mean 1.016
+    assert np.all(seeds(ours["lar"]) >= 0.19)  # seeds 0-4: 0.1933-0.1962, mean 0.1950
+    assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 1.014-1.043, mean 1.028
 
 
 def test_placement_baselines_on_seed_0(dev_trace, cache):
@@ -135,6 +135,6 @@ def test_tp_scheduler_conditions_on_earlier_experts(dev_trace, cache):
 
 
 # ---- issue 10's bar not reached (see benchmarks/SEEDS.md for why) ---------------------------
-@pytest.mark.xfail(strict=True, reason="R = 0: DP LAR mean 0.1625 at lock-step balance (<= 1.05 x least-loaded)")
+@pytest.mark.xfail(strict=True, reason="R = 0: DP LAR mean 0.1661 at lock-step balance (<= 1.05 x least-loaded)")
 def test_issue10_bar_dp_lar_0175_without_replicas(dp):
     assert dp[0]["semmoe"]["lar"]["mean"] >= 0.175

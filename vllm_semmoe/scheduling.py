@@ -415,9 +415,10 @@ def request_votes(rows, offsets, t2d_score, oov_score):
 DEFAULT_DECODE_WEIGHT = 128.0
 
 #: defaults of the DP rule's two balance knobs (:func:`dp_choose_balanced`), chosen on the
-#: profiled requests only (``scripts/tune_dp_price.py``; see benchmarks/SEEDS.md)
-DEFAULT_DP_BALANCE = 64.0
-DEFAULT_DP_PRICE_STEP = 0.2
+#: profiled requests only, on arrival streams drawn from them and balanced over the deployed
+#: window (``scripts/tune_dp_price.py``; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 4.0
+DEFAULT_DP_PRICE_STEP = 0.3
 
 
 def request_work(lengths: np.ndarray, decode_weight: float = DEFAULT_DECODE_WEIGHT) -> np.ndarray:
