@@ -5,7 +5,7 @@ implies without running anything (:func:`analytic_counts`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -81,13 +81,16 @@ def _first_layers(trace, layers):
 
 def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None = None,
                   batch_tokens: int = 512, max_batches: int | None = None, profile_frac: float = 0.2,
-                  seed: int = 0, redundant: int = 0, progress=None) -> BenchPlan:
+                  seed: int = 0, redundant: int = 0, progress=None, config=None) -> BenchPlan:
     """Solve every method on the profile part of ``trace`` and schedule the rest.
 
     ``trace`` is a path or a :class:`~vllm_semmoe.trace.RoutingTrace`; ``layers`` keeps the
     first that many MoE layers (before solving). ``redundant``: replica slots per rank ``R``
     for the methods that replicate (``semmoe``; the others keep ``R = 0``, as in
-    :func:`~vllm_semmoe.evaluate.compare_methods`). Deterministic for a seed.
+    :func:`~vllm_semmoe.evaluate.compare_methods`). ``config``: the
+    :class:`~vllm_semmoe.evaluate.EvalConfig` the online scheduling runs with (default: its
+    defaults; e.g. other DP knobs); its mode and batch size are this call's. The replicas are
+    chosen against the default rule either way (``SemMoEPolicy.solve``). Deterministic for a seed.
     """
     from .. import evaluate as ev
     from ..modes import ServingMode, serving_mode
@@ -96,6 +99,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     from ..tables import build_tables, placement_device_counts
 
     mode = serving_mode(mode)
+    config = replace(config or ev.EvalConfig(), mode=mode, batch_tokens=batch_tokens)
     methods = list(methods)
     if not methods:
         raise ValueError("no methods given")
@@ -129,11 +133,11 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
         if mode == ServingMode.TP:
             counts = placement_device_counts(sub.experts, placement)
-            device, _ = ev._tp_devices(sub, counts, tables, E, ev.EvalConfig(mode=mode, batch_tokens=batch_tokens))
+            device, _ = ev._tp_devices(sub, counts, tables, E, config)
             plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
             plan_dev[name] = device[:n_tok].astype(np.int16)
         else:
-            rank, _ = ev._dp_ranks(rest, tables, E, ev.EvalConfig(mode=mode, batch_tokens=batch_tokens))
+            rank, _ = ev._dp_ranks(rest, tables, E, config)
             plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches)
     if progress:
         progress(len(methods), len(methods), "solving")
