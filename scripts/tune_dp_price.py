@@ -5,7 +5,7 @@ For each seed 0-4, the profile (20% of the DeepSeek-V2-Lite dev trace's requests
 with Sem-MoE (DP, EP 8) as deployed; the profiled requests' votes are cross-fitted (5 folds:
 tables built on four fifths of the profile, votes for the other fifth), so their preferences
 are as sharp as an unseen request's. The router is then run, with every knob pair of a small
-grid, on arrival streams as long as the evaluation's (``--stream`` requests, 4 per seed) drawn
+grid, on arrival streams as long as the evaluation's (``--stream`` requests, 16 per seed) drawn
 with replacement from the profiled requests, balanced over the deployed window
 (``scheduling.balance_window``: W = 32 x 8 = 256). The pick: the highest mean LAR whose window
 imbalance, relative to the online least-loaded balancer's on the same stream, is within 1.05x
@@ -16,7 +16,9 @@ Until 2026-12-03 the knobs were chosen on the 280 profiled requests in arrival o
 windows of W = 64 (a quarter of the deployed window, as the profile holds only ~1 window of
 256) and the pick's mean over seeds within 1.05x: balance 64, price step 0.2. Short windows
 make balance look dearer than it is at W = 256, so that pick gave up LAR the bar allowed
-(benchmarks/SEEDS.md; ``--legacy`` reruns that procedure).
+(benchmarks/SEEDS.md). ``--legacy`` reruns that procedure: with today's solver it picks balance
+8, price step 0.5 (0.1784 at 1.040x there; on the evaluation requests, measured afterwards,
+0.1638 against 0.1661 for today's pick).
 
 Printed on 2026-12-03 (2-core CPU VM, 35 s): IDF / plain pure-locality LAR per seed 0.1850 /
 0.1816, 0.1839 / 0.1812, 0.1976 / 0.1842, 0.1880 / 0.1783, 0.1767 / 0.1771; pick: balance 4,
