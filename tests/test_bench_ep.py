@@ -217,6 +217,23 @@ def test_plan_lar_equals_offline_evaluation(dev_trace):
                     (mode, R, name)
 
 
+def test_plan_schedules_with_the_given_dp_knobs(dev_trace):
+    """``config`` carries other DP knobs into the replay's schedule: the plan's LAR is the
+    offline evaluation's at those knobs, and differs from the default knobs' plan."""
+    trace = _first_layers(dev_trace.select_requests(np.arange(160)), 3)
+    profile, rest = trace.split(0.2, 0)
+    lar = {}
+    for knobs in ((EvalConfig.dp_balance, EvalConfig.dp_price_step), (1024.0, 1.0)):
+        config = EvalConfig(mode="dp", batch_tokens=128, dp_balance=knobs[0], dp_price_step=knobs[1])
+        plan = plan_bench_ep(trace, 4, "dp", ["semmoe"], batch_tokens=128, config=EvalConfig(
+            dp_balance=knobs[0], dp_price_step=knobs[1]))
+        counts = analytic_counts(plan, "semmoe")
+        lar[knobs] = counts["local"] / counts["activations"]
+        expected = compare_methods(profile, rest, 4, ["semmoe"], config)["semmoe"]["lar"]
+        assert lar[knobs] == pytest.approx(expected, abs=1e-12), knobs
+    assert len(set(lar.values())) == 2
+
+
 def test_missing_trace_is_a_clear_error(tmp_path):
     missing = tmp_path / "nope.npz"
     with pytest.raises(TraceError, match="not found"):
