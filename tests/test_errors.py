@@ -10,6 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from vllm_semmoe import scheduling
 from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.cli import main
 from vllm_semmoe.placement import PlacementError
@@ -297,8 +298,8 @@ def test_serve_help_lists_its_options_and_points_to_vllm():
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     for option, default in (("--tables DIR", None), ("--mode", "(default: placement-only)"), ("--capture PATH", None),
-                            ("--dp-slack S", "(default: 8.0)"), ("--dp-balance B", "(default: 64.0)"),
-                            ("--dp-price-step P", "(default: 0.2)"),
+                            ("--dp-slack S", "(default: 8.0)"), ("--dp-balance B", f"(default: {scheduling.DEFAULT_DP_BALANCE})"),
+                            ("--dp-price-step P", f"(default: {scheduling.DEFAULT_DP_PRICE_STEP})"),
                             ("--dp-decode-weight W", "(default: 128.0)")):
         assert option in text and (default is None or default in text), option
     assert "`vllm serve --help`" in text and "python -m vllm.entrypoints.cli.main serve --help" in text
