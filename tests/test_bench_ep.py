@@ -225,8 +225,7 @@ def test_plan_schedules_with_the_given_dp_knobs(dev_trace):
     lar = {}
     for knobs in ((EvalConfig.dp_balance, EvalConfig.dp_price_step), (1024.0, 1.0)):
         config = EvalConfig(mode="dp", batch_tokens=128, dp_balance=knobs[0], dp_price_step=knobs[1])
-        plan = plan_bench_ep(trace, 4, "dp", ["semmoe"], batch_tokens=128, config=EvalConfig(
-            dp_balance=knobs[0], dp_price_step=knobs[1]))
+        plan = plan_bench_ep(trace, 4, "dp", ["semmoe"], batch_tokens=128, config=config)
         counts = analytic_counts(plan, "semmoe")
         lar[knobs] = counts["local"] / counts["activations"]
         expected = compare_methods(profile, rest, 4, ["semmoe"], config)["semmoe"]["lar"]
