@@ -115,6 +115,17 @@ def local_and_votes(tables, target):
     return local, votes
 
 
+def knob_curve(local, votes, work, window, least, grid):
+    """``[len(grid), 2]``: the router's local activations and window imbalance relative to
+    least-loaded's at each ``(balance, price step)`` of ``grid``."""
+    rows = np.arange(len(work))
+    out = []
+    for balance, step in grid:
+        rank = scheduling.dp_assign(votes, work, balance, window, False, step)
+        out.append((local[rows, rank].sum(), scheduling.window_imbalance(rank, work, E, window) / least))
+    return np.array(out)
+
+
 def measure(tables_from, target, placement, knobs, window):
     """``[oracle, pure, lar_1, ratio_1, ...]`` on ``target`` with tables built on ``tables_from``."""
     activations = target.num_tokens * target.num_layers * target.top_k
@@ -122,11 +133,10 @@ def measure(tables_from, target, placement, knobs, window):
     work = scheduling.request_work(np.diff(target.offsets))
     least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
     rows = np.arange(target.num_requests)
-    out = [local.max(axis=1).sum() / activations, local[rows, votes.argmax(axis=1)].sum() / activations]
-    for balance, step in knobs:
-        rank = scheduling.dp_assign(votes, work, balance, window, False, step)
-        out += [local[rows, rank].sum() / activations, scheduling.window_imbalance(rank, work, E, window) / least]
-    return out
+    curve = knob_curve(local, votes, work, window, least, knobs)
+    curve[:, 0] /= activations
+    return [local.max(axis=1).sum() / activations, local[rows, votes.argmax(axis=1)].sum() / activations,
+            *curve.ravel()]
 
 
 def fmt(m):
@@ -238,17 +248,6 @@ def study_online(trace, seeds, block=280):
             what = (f"re-placed every {block} requests (experts moved per re-placement: "
                     + ", ".join(f"{x:.0%}" for x in moved) + ")") if online else "profile placement"
             print(f"seed {seed}, {what}: {fmt(m)}", flush=True)
-
-
-def knob_curve(local, votes, work, window, least, grid):
-    """``[len(grid), 2]``: the router's local activations and window imbalance relative to
-    least-loaded's at each ``(balance, price step)`` of ``grid``."""
-    rows = np.arange(len(work))
-    out = []
-    for balance, step in grid:
-        rank = scheduling.dp_assign(votes, work, balance, window, False, step)
-        out.append((local[rows, rank].sum(), scheduling.window_imbalance(rank, work, E, window) / least))
-    return np.array(out)
 
 
 def windowed_optimum(local, work, window, rho):
