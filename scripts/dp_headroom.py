@@ -1,4 +1,4 @@
-"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): six studies of the DP placement.
+"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): eight studies of the DP placement and router.
 
 All on the DeepSeek-V2-Lite dev trace, EP 8, the solver as deployed (``SemMoEPolicy``'s DP
 co-clustering: 6 restarts, θ 0.21), IDF-weighted DP tables built on the profile. Each study
@@ -29,11 +29,16 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
   routing in advance), knobs the best of a grid in hindsight (per seed, and one pair for every
   seed), and the per-window optimum with look-ahead and true counts
   (:func:`windowed_optimum`).
+- ``bigram`` (exploratory, on evaluation requests): votes whose token rows are conditioned on
+  the previous token where the profile saw that pair (:func:`bigram_votes`), against the
+  served votes, at three knob pairs.
+- ``theta`` (exploratory): the DP co-clustering without its expert-load price (θ 0) against
+  the deployed θ, at the same knob pairs, with the evaluation's expert imbalance.
 
 The ``default`` knobs are ``scheduling``'s (balance 4, price step 0.3 since 2026-12-03; the
 figures of benchmarks/SEEDS.md printed before that are at 64, 0.2).
 
-    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight [--seeds 0,1]
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1]
 """
 
 import argparse
@@ -89,9 +94,10 @@ def _predicted(source, target, idf, alpha):
     return out
 
 
-def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=None):
-    """The DP co-clustering of ``SemMoEPolicy`` (its own settings; ``restarts`` overrides its
-    count) on (optionally shrunk) request counts; returns ``(placement, profiled objective)``.
+def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=None, load_price=None):
+    """The DP co-clustering of ``SemMoEPolicy`` (its own settings; ``restarts`` and
+    ``load_price`` override its restart count and θ) on (optionally shrunk) request counts;
+    returns ``(placement, profiled objective)``.
     With ``beta = 0`` this is ``SemMoEPolicy().solve(fit, E, mode="dp", seed=seed)``."""
     policy = SemMoEPolicy()
     counts = request_expert_counts(fit).astype(np.float64)
@@ -102,7 +108,7 @@ def solve(fit, seed, beta=0.0, idf=False, work_cap=False, folds=0, restarts=None
     e2d, _, objective = cocluster(counts, weight, E, eps=policy.eps, iters=policy.iters,
                                   restarts=policy.restarts if restarts is None else restarts,
                                   rng=np.random.default_rng(seed), load_slack=policy.load_slack,
-                                  load_price=policy.load_price)
+                                  load_price=policy.load_price if load_price is None else load_price)
     return Placement(e2d, E, policy.name), objective
 
 
@@ -303,9 +309,95 @@ def study_foresight(trace, seeds, window=256, bar=1.05):
               f"(worst seed {c[:, i, 0].min():.4f}, ratio at most {c[:, i, 1].max():.3f})")
 
 
+def previous_rows(rows, offsets):
+    """``[T]`` the table row of each token's predecessor in its request (``-1``: first token)."""
+    prev = np.full(len(rows), -1, np.int64)
+    prev[1:] = rows[:-1]
+    prev[offsets[:-1]] = -1
+    return prev
+
+
+def bigram_votes(tables, profile, placement, target, beta):
+    """``[R, E]`` T2D votes of ``target``'s requests with each token's row conditioned on its
+    predecessor: a (previous token, token) pair seen in the profile votes its own mean local
+    activations per rank, smoothed towards the token's row with ``beta`` pseudo-occurrences
+    (and IDF-weighted as the token's row is); other tokens vote their row, as served."""
+    K = profile.top_k
+    J = len(tables.t2d_tokens)
+    unigram = tables.t2d_score.astype(np.float64).sum(axis=0)  # [J, E], IDF-weighted, summed over layers
+    idf = request_idf(profile, tables.t2d_tokens)
+    rows = tables.token_rows(profile.tokens)
+    keys = (previous_rows(rows, profile.offsets) + 1) * (J + 1) + rows
+    pairs, pair = np.unique(keys, return_inverse=True)
+    shares = np.zeros((len(pairs), E))
+    np.add.at(shares, pair, placement_device_counts(profile.experts, placement).sum(axis=1) / K)
+    seen = np.bincount(pair, minlength=len(pairs)).astype(np.float64)
+    rows = tables.token_rows(target.tokens)
+    prev = previous_rows(rows, target.offsets)
+    keys = (prev + 1) * (J + 1) + rows
+    at = np.minimum(np.searchsorted(pairs, keys), len(pairs) - 1)
+    hit = (pairs[at] == keys) & (rows >= 0) & (prev >= 0)
+    token = np.where(rows[:, None] >= 0, unigram[np.maximum(rows, 0)],
+                     tables.oov_score.astype(np.float64).sum(axis=0)[None, :])
+    j = rows[hit]
+    token[hit] = (shares[at[hit]] + beta * unigram[j] / idf[j, None]) / (seen[at[hit], None] + beta) * idf[j, None]
+    votes = np.zeros((target.num_requests, E))
+    np.add.at(votes, np.repeat(np.arange(target.num_requests), np.diff(target.offsets)), token)
+    return votes, hit.mean()
+
+
+def _summary(name, rows, knobs):
+    r = np.array(rows)  # [seeds, 2 + 2 * knobs]
+    cells = [f"{k} {r[:, 2 + 2 * i].mean():.4f} ± {r[:, 2 + 2 * i].std():.4f} (worst seed {r[:, 3 + 2 * i].max():.3f}x)"
+             for i, k in enumerate(knobs)]
+    print(f"{name}: oracle {r[:, 0].mean():.4f} pure {r[:, 1].mean():.4f} | " + " | ".join(cells), flush=True)
+
+
+def study_bigram(trace, seeds, betas=(1.0, 4.0, 16.0), window=256):
+    knobs = [DEFAULT_KNOBS, (0.0, 0.2), (16.0, 0.2)]
+    print("knobs:", knobs, f"W = {window}; votes: the served T2D rows, or rows conditioned on the previous token")
+    results = {b: [] for b in (None, *betas)}
+    for seed in seeds:
+        profile, evaluation = trace.split(0.2, seed)
+        placement, _ = solve(profile, seed)
+        tables = build_tables(profile, placement, mode="dp")
+        local, served = local_and_votes(tables, evaluation)
+        activations = evaluation.num_tokens * evaluation.num_layers * evaluation.top_k
+        work = scheduling.request_work(np.diff(evaluation.offsets))
+        least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
+        rows = np.arange(evaluation.num_requests)
+        for beta in results:
+            votes, hit = (served, None) if beta is None else bigram_votes(tables, profile, placement, evaluation, beta)
+            curve = knob_curve(local, votes, work, window, least, knobs)
+            curve[:, 0] /= activations
+            results[beta].append([local.max(axis=1).sum() / activations,
+                                  local[rows, votes.argmax(axis=1)].sum() / activations, *curve.ravel()])
+            label = "served" if beta is None else f"bigram beta {beta:g} (pairs seen: {hit:.3f} of tokens)"
+            print(f"seed {seed}, {label}: {fmt(results[beta][-1])}", flush=True)
+    for beta, rows in results.items():
+        _summary("served votes" if beta is None else f"bigram beta {beta:g}", rows, knobs)
+
+
+def study_theta(trace, seeds, thetas=(None, 0.0)):
+    knobs = [DEFAULT_KNOBS, (0.0, 0.2), (16.0, 0.2)]
+    print("knobs:", knobs, "W = 256; θ: the DP co-clustering's expert-load price (None: as deployed)")
+    for theta in thetas:
+        rows, imbalance = [], []
+        for seed in seeds:
+            profile, evaluation = trace.split(0.2, seed)
+            placement, _ = solve(profile, seed, load_price=theta)
+            rows.append(measure(profile, evaluation, placement, knobs, 256))
+            experts = evaluation.experts.astype(np.int64)  # [T, L, K]
+            e2d = placement.expert_device
+            imbalance.append(np.mean([np.bincount(e2d[l][experts[:, l]].ravel(), minlength=E).max()
+                                      / (experts[:, l].size / E) for l in range(experts.shape[1])]))
+            print(f"seed {seed}, θ {theta}: {fmt(rows[-1])} expert imbalance {imbalance[-1]:.4f}", flush=True)
+        _summary(f"θ {theta} (expert imbalance {np.mean(imbalance):.4f})", rows, knobs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online", "foresight"))
+    parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online", "foresight", "bigram", "theta"))
     parser.add_argument("--seeds", default=None, help="default: 0-4 for shrink, 0,1 otherwise")
     parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
     parser.add_argument("--trace", default=str(TRACE))
@@ -317,7 +409,8 @@ def main() -> None:
         study_shrink(trace, seeds, args.variants.split(","))
     else:
         {"restarts": study_restarts, "fit": study_fit, "curve": study_curve,
-         "online": study_online, "foresight": study_foresight}[args.study](trace, seeds)
+         "online": study_online, "foresight": study_foresight, "bigram": study_bigram,
+         "theta": study_theta}[args.study](trace, seeds)
     print(f"({time.time() - start:.0f} s)")
 
 
