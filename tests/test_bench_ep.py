@@ -14,7 +14,7 @@ import pytest
 
 from vllm_semmoe import bench_ep
 from vllm_semmoe.bench_ep import BenchEPError, analytic_counts, format_bench_ep, plan_bench_ep, run_bench_ep
-from vllm_semmoe.bench_ep.plan import _first_layers
+from vllm_semmoe.bench_ep.plan import _first_layers, sample_steps
 from vllm_semmoe.cli.bench import add_bench_ep_arguments, cmd_bench_ep
 from vllm_semmoe.evaluate import EvalConfig, compare_methods
 from vllm_semmoe.trace import TraceError
@@ -231,6 +231,41 @@ def test_plan_schedules_with_the_given_dp_knobs(dev_trace):
         expected = compare_methods(profile, rest, 4, ["semmoe"], config)["semmoe"]["lar"]
         assert lar[knobs] == pytest.approx(expected, abs=1e-12), knobs
     assert len(set(lar.values())) == 2
+
+
+def test_sample_steps():
+    assert sample_steps(10, None).tolist() == list(range(10))
+    assert sample_steps(10, 20, "spread").tolist() == list(range(10))
+    assert sample_steps(10, 3).tolist() == [0, 1, 2]
+    assert sample_steps(10, 3, "spread").tolist() == [0, 4, 9]
+    spread = sample_steps(1000, 20, "spread")
+    assert len(spread) == 20 and spread[0] == 0 and spread[-1] == 999 and (np.diff(spread) >= 52).all()
+
+
+def test_max_batches_replays_the_whole_runs_steps(dev_trace):
+    """``max_batches`` keeps steps of the whole run as they are: the first ones (head), or
+    ones spread from the first step to the last (spread), each with the tokens, ranks and
+    serving ranks the whole run gives it."""
+    trace = _first_layers(dev_trace.select_requests(np.arange(200)), 3)
+    methods = ["vanilla", "semmoe"]
+    for mode in ("tp", "dp"):
+        full = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128)
+        for sample in ("head", "spread"):
+            plan = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128, max_batches=6, sample=sample)
+            for m in methods:
+                rows_f, off_f = full.step_rows[m]
+                rows, off = plan.step_rows[m]
+                steps = sample_steps(len(off_f) - 1, 6, sample)
+                assert plan.num_steps(m) == 6 and len(off_f) - 1 > 30, (mode, m)
+                if sample == "spread":
+                    assert steps[-1] == len(off_f) - 2
+                for i, s in enumerate(steps):
+                    mine, theirs = slice(off[i], off[i + 1]), slice(off_f[s], off_f[s + 1])
+                    assert np.array_equal(plan.token_gid[rows[mine]], full.token_gid[rows_f[theirs]]), (mode, m, i)
+                    assert np.array_equal(plan.step_device[m][mine], full.step_device[m][theirs])
+                    assert np.array_equal(plan.step_serving[m][mine], full.step_serving[m][theirs])
+    with pytest.raises(ValueError, match="sample must be one of head, spread"):
+        plan_bench_ep(trace, 4, "dp", methods, batch_tokens=128, max_batches=6, sample="tail")
 
 
 def test_missing_trace_is_a_clear_error(tmp_path):

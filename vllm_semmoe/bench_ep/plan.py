@@ -81,8 +81,13 @@ def _first_layers(trace, layers):
 
 def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None = None,
                   batch_tokens: int = 512, max_batches: int | None = None, profile_frac: float = 0.2,
-                  seed: int = 0, redundant: int = 0, progress=None, config=None) -> BenchPlan:
+                  seed: int = 0, redundant: int = 0, progress=None, config=None,
+                  sample: str = "head") -> BenchPlan:
     """Solve every method on the profile part of ``trace`` and schedule the rest.
+
+    ``max_batches`` replays that many steps of the evaluation stream: with ``sample="head"``
+    its first ones, with ``"spread"`` ones spread evenly over the whole stream
+    (:func:`sample_steps`; every step scheduled as in the whole run).
 
     ``trace`` is a path or a :class:`~vllm_semmoe.trace.RoutingTrace`; ``layers`` keeps the
     first that many MoE layers (before solving). ``redundant``: replica slots per rank ``R``
@@ -107,6 +112,8 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+    if sample not in SAMPLES:
+        raise ValueError(f"sample must be one of {', '.join(SAMPLES)}, got {sample!r}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     full = _first_layers(_as_trace(trace), layers)
@@ -117,11 +124,15 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     E = ranks
     plan_rows, plan_dev, placements, solve_s = {}, {}, {}, {}
     if mode == ServingMode.TP:
-        n_tok = rest.num_tokens if max_batches is None else min(rest.num_tokens, max_batches * batch_tokens)
+        # batch b is tokens [b·B, (b+1)·B) of the stream; scheduled on the requests covering
+        # the last batch replayed (the schedule of a batch depends on its own tokens only)
+        steps = sample_steps(-(-rest.num_tokens // batch_tokens), max_batches, sample)
+        n_tok = min(rest.num_tokens, (int(steps[-1]) + 1) * batch_tokens)
         n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))  # requests covering n_tok tokens
         sub = rest.select_requests(np.arange(max(n_req, 1)))
-        starts = np.arange(0, n_tok, batch_tokens)
-        offsets = np.append(starts, n_tok).astype(np.int64)
+        tp_rows = [np.arange(b * batch_tokens, min((b + 1) * batch_tokens, n_tok), dtype=np.int64) for b in steps]
+        offsets = np.cumsum([0] + [len(r) for r in tp_rows]).astype(np.int64)
+        tp_rows = np.concatenate(tp_rows)
     for i, name in enumerate(methods):
         if progress:
             progress(i, len(methods), f"solving {name}")
@@ -134,11 +145,11 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         if mode == ServingMode.TP:
             counts = placement_device_counts(sub.experts, placement)
             device, _ = ev._tp_devices(sub, counts, tables, E, config)
-            plan_rows[name] = (np.arange(n_tok, dtype=np.int64), offsets)
-            plan_dev[name] = device[:n_tok].astype(np.int16)
+            plan_rows[name] = (tp_rows, offsets)
+            plan_dev[name] = device[tp_rows].astype(np.int16)
         else:
             rank, _ = ev._dp_ranks(rest, tables, E, config)
-            plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches)
+            plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
     if progress:
         progress(len(methods), len(methods), "solving")
     used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
@@ -154,19 +165,33 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     return plan
 
 
-def _dp_steps(trace, rank, ranks, batch_tokens, max_batches):
-    """Lock-stepped DP batches: each rank takes ``ceil(batch_tokens/E)`` tokens of its queue."""
+#: which steps ``max_batches`` keeps (:func:`sample_steps`)
+SAMPLES = ("head", "spread")
+
+
+def sample_steps(total: int, max_batches: int | None, sample: str = "head") -> np.ndarray:
+    """``[S]`` int64 ascending indices of the steps replayed out of ``total``: all of them
+    without ``max_batches``; else the first ``max_batches`` (``"head"``) or ``max_batches``
+    spread evenly from the first step to the last (``"spread"``)."""
+    if max_batches is None or max_batches >= total:
+        return np.arange(total, dtype=np.int64)
+    if sample == "head":
+        return np.arange(max_batches, dtype=np.int64)
+    return np.unique(np.linspace(0, total - 1, max_batches).round().astype(np.int64))
+
+
+def _dp_steps(trace, rank, ranks, batch_tokens, max_batches, sample="head"):
+    """Lock-stepped DP batches: each rank takes ``ceil(batch_tokens/E)`` tokens of its queue
+    per step; the steps :func:`sample_steps` keeps."""
     from ..scheduling import slice_capacity
 
     L = trace.num_layers
     cap = slice_capacity(batch_tokens, ranks)
     token_rank = np.repeat(rank, np.diff(trace.offsets))
     queues = [np.nonzero(token_rank == r)[0] for r in range(ranks)]  # arrival order
-    steps = max(-(-len(q) // cap) for q in queues)
-    if max_batches is not None:
-        steps = min(steps, max_batches)
+    steps = sample_steps(max(-(-len(q) // cap) for q in queues), max_batches, sample)
     rows, dev, offsets = [], [], [0]
-    for s in range(steps):
+    for s in steps:
         for r, q in enumerate(queues):
             part = q[s * cap:(s + 1) * cap]
             rows.append(part)

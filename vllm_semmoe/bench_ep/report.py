@@ -94,7 +94,8 @@ def format_bench_ep(result: dict) -> str:
     """The side-by-side table of :func:`run_bench_ep`'s result."""
     head = (f"bench-ep: mode {result['mode']}, {result['ranks']} ranks ({result['backend']}), "
             f"hidden {result['hidden']} {result.get('dtype', '')}, {result['layers']} layers, "
-            f"{result['batches']} batches of {result.get('batch_tokens', '?')} tokens")
+            f"{result['batches']} batches of {result.get('batch_tokens', '?')} tokens"
+            + (" spread over the stream" if result.get("sample") == "spread" else ""))
     cols = [("method", "<12"), ("experts/rank", ">13"), ("dispatch_MB", ">12"), ("combine_MB", ">11"), ("total_MB", ">10"),
             ("KB/token", ">9"), ("bytes_x", ">8"), ("remote_pairs", ">13"), ("lar", ">7"),
             ("act_x", ">7"), ("layer_ms", ">9"), ("time_x", ">7"), ("disp/exp/comb ms", ">19")]

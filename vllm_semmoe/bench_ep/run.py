@@ -23,7 +23,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
                  expert_dim: int = 64, layers: int | None = None, batch_tokens: int = 512,
                  max_batches: int | None = None, profile_frac: float = 0.2, seed: int = 0,
                  redundant: int = 0, backend: str | None = None, dtype: str = "bfloat16", timeout_s: float = 900.0,
-                 progress=None) -> dict:
+                 progress=None, sample: str = "head") -> dict:
     """Run the EP MoE-layer benchmark for every method side by side; see the module docstring.
 
     Args:
@@ -33,7 +33,8 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         methods: placement policies (``vanilla`` should be among them for the ratios).
         hidden: hidden size of the rows moved; expert_dim: inner size of each expert's MLP.
         layers: benchmark the first ``layers`` MoE layers (default all).
-        batch_tokens: tokens per batch over all ranks; max_batches: stop after that many.
+        batch_tokens: tokens per batch over all ranks; max_batches: replay that many steps,
+            the first ones (``sample="head"``) or spread evenly over the stream (``"spread"``).
         redundant: replica slots per rank ``R`` for the methods that replicate (``semmoe``):
             each rank then holds ``N/E + R`` experts per layer, and an activation whose expert
             has a copy on the token's rank is computed there, without communication.
@@ -44,7 +45,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         progress: ``progress(done, total, message)`` or ``None``.
     Returns:
         ``{"mode", "ranks", "hidden", "expert_dim", "dtype", "batches", "layers", "backend",
-        "batch_tokens", "profile_frac", "seed", "trace", "profile_tokens", "eval_tokens",
+        "batch_tokens", "profile_frac", "seed", "sample", "trace", "profile_tokens", "eval_tokens",
         "run_s", "wall_s", "methods": {m: row}}`` where each row holds
 
         - ``dispatch_bytes`` / ``combine_bytes`` / ``total_bytes``: hidden-state bytes handed
@@ -88,7 +89,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
     started = time.perf_counter()
     plan = plan_bench_ep(trace, ranks, mode, methods, layers=layers, batch_tokens=batch_tokens,
                          max_batches=max_batches, profile_frac=profile_frac, seed=seed, redundant=redundant,
-                         progress=progress)
+                         progress=progress, sample=sample)
     cfg = {
         "methods": plan.methods, "hidden": int(hidden), "expert_dim": int(expert_dim), "seed": int(seed),
         "backend": backend, "dtype": dtype, "timeout_s": float(timeout_s),
@@ -125,7 +126,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
                 per_rank.append({k: data[k] for k in data.files})
     result = _aggregate(plan, cfg, per_rank)
     result.update(
-        batch_tokens=int(batch_tokens), profile_frac=float(profile_frac), seed=int(seed),
+        batch_tokens=int(batch_tokens), profile_frac=float(profile_frac), seed=int(seed), sample=sample,
         trace=os.path.basename(os.fspath(trace_path)) if not hasattr(trace_path, "experts") else "<in-memory>",
         profile_tokens=plan.profile_tokens, eval_tokens=plan.eval_tokens,
         run_s=round(run_s, 2), wall_s=round(time.perf_counter() - started, 2),

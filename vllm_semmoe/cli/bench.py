@@ -6,7 +6,7 @@ import argparse
 
 from ..bench_ep.plan import DEFAULT_METHODS
 from ..modes import MODES
-from .output import Progress, add_redundant_argument, write_json
+from .output import Progress, add_redundant_argument, add_sample_argument, write_json
 
 
 def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--expert-dim", type=int, default=64, help="inner size of each expert's MLP (default 64)")
     parser.add_argument("--batch-tokens", type=int, default=512, help="tokens per batch over all ranks")
     parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default all)")
+    add_sample_argument(parser)
     parser.add_argument("--layers", type=int, default=None, help="benchmark the first N MoE layers (default all)")
     parser.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split")
     parser.add_argument("--seed", type=int, default=0, help="split and solver seed")
@@ -42,7 +43,7 @@ def cmd_bench_ep(args) -> int:
         result = run_bench_ep(args.trace, args.ranks, args.mode, methods, hidden=args.hidden,
                               expert_dim=args.expert_dim, layers=args.layers, batch_tokens=args.batch_tokens,
                               max_batches=args.max_batches, profile_frac=args.profile_frac, seed=args.seed,
-                              redundant=args.redundant,
+                              redundant=args.redundant, sample=args.sample,
                               backend=args.backend, dtype=args.dtype, progress=Progress("bench-ep"))
     except (TraceError, ValueError, BenchEPError) as exc:
         raise SystemExit(f"semmoe bench-ep: {exc}") from None

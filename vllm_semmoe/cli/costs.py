@@ -12,7 +12,7 @@ import time
 
 from ..modes import MODES
 from .offline import DEFAULT_TRACE_HINT, method_list, method_names
-from .output import Progress, add_json_argument, add_redundant_argument, write_json
+from .output import Progress, add_json_argument, add_redundant_argument, add_sample_argument, write_json
 
 
 def cmd_cost(args) -> int:
@@ -28,7 +28,7 @@ def cmd_cost(args) -> int:
     plan = plan_bench_ep(args.trace, args.ep, args.mode, args.method, layers=args.layers,
                          batch_tokens=args.batch_tokens, max_batches=args.max_batches,
                          profile_frac=args.profile_frac, seed=args.seed, redundant=args.redundant,
-                         progress=Progress())
+                         progress=Progress(), sample=args.sample)
     counts = {m: analytic_counts(plan, m) for m in plan.methods}
     table = cost_table(counts, shape, hardware)
     print(f"cost model: EP {args.ep}, {args.mode.upper()} mode, {plan.num_layers} MoE layers, "
@@ -37,6 +37,7 @@ def cmd_cost(args) -> int:
     if args.json:
         write_json(args.json, {
             "mode": args.mode, "ep": args.ep, "seed": args.seed, "batch_tokens": args.batch_tokens,
+            "sample": args.sample,
             "redundant": args.redundant,
             "layers": plan.num_layers, "shape": {"hidden": shape.hidden,
                                                  "expert_intermediate": shape.expert_intermediate},
@@ -69,6 +70,7 @@ def add_parsers(sub) -> None:
                    help=f"routed expert intermediate size (default {DSV2_LITE.expert_intermediate})")
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens per step (default 512)")
     p.add_argument("--max-batches", type=int, default=None, help="replay at most this many steps (default all)")
+    add_sample_argument(p)
     p.add_argument("--layers", type=int, default=None, help="keep the first N MoE layers (default all)")
     p.add_argument("--profile-frac", type=float, default=0.2, help="profile share of the request split (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="split and solver seed (default 0)")

@@ -44,6 +44,16 @@ def add_redundant_argument(parser, several: bool = False) -> None:
         parser.add_argument("--redundant", type=int, default=0, metavar="R", help=help)
 
 
+def add_sample_argument(parser) -> None:
+    """Declare ``--sample head|spread``: which steps ``--max-batches`` keeps
+    (:func:`vllm_semmoe.bench_ep.plan.sample_steps`)."""
+    from ..bench_ep.plan import SAMPLES
+
+    parser.add_argument("--sample", choices=SAMPLES, default="head",
+                        help="with --max-batches: the first steps of the evaluation stream (head, default) "
+                             "or steps spread evenly over the whole stream (spread)")
+
+
 def _int_list(text: str) -> list[int]:
     import argparse
 
