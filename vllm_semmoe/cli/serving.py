@@ -202,7 +202,8 @@ def cmd_bench_serve(args) -> int:
                                     dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                                    dp_balance=args.dp_balance, dtype=args.dtype, redundant=R))
+                                    dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
+                                    dtype=args.dtype, redundant=R))
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
@@ -320,7 +321,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
     p.add_argument("--dp-balance", type=float, default=None,
-                   help="semmoe: locality-vs-balance knob (default: the plugin's, 0.1)")
+                   help="semmoe: the DP router's locality-vs-balance knob (default: the plugin's; "
+                        "`semmoe serve --help` shows it)")
+    p.add_argument("--dp-price-step", type=float, default=None,
+                   help="semmoe: how fast the DP router's per-rank prices follow the work it sends "
+                        "(default: the plugin's; `semmoe serve --help` shows it)")
     add_redundant_argument(p, several=True)
     p.add_argument("--workdir", default=os.path.join("out", "bench_serve"), help="tables, logs and captures go here")
     add_json_argument(p)

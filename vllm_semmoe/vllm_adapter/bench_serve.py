@@ -130,11 +130,12 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 300, dp_balance: float | None = None,
-                    dtype: str = "bfloat16", redundant: int = 0) -> dict:
+                    dp_price_step: float | None = None, dtype: str = "bfloat16", redundant: int = 0) -> dict:
     """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
     measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP).
     ``redundant``: replica slots per rank of the Sem-MoE placement (the policies on stock
-    vLLM's placement have none)."""
+    vLLM's placement have none). ``dp_balance`` / ``dp_price_step``: the DP router's knobs
+    (``semmoe serve --dp-balance / --dp-price-step``; ``None``: the plugin's defaults)."""
     if tp > 1 and dp != 1:
         raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
     policies = TP_POLICIES if tp > 1 else POLICIES
@@ -176,6 +177,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else ["--data-parallel-size", str(dp), "--dispatch", dispatch]
     if dp_balance is not None:
         cmd += ["--dp-balance", str(dp_balance)]
+    if dp_price_step is not None:
+        cmd += ["--dp-price-step", str(dp_price_step)]
     layout = f"TP {tp}" if tp > 1 else f"DP {dp}"
     _say(f"starting {policy} server ({layout} + EP), log in {log_path}")
     with open(log_path, "w") as log:
