@@ -18,11 +18,11 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
   themselves, or on every request; tables always from the profile; measured on evaluation.
 - ``curve`` (diagnostic): a placement fitted on n = 140 .. 1000 requests, tables from 280 of
   them, measured on 399 other requests.
-- ``online`` (a simulation, no look-ahead): the evaluation stream in blocks of 280 requests;
-  block k is served by a placement and tables re-solved on the profile plus the routing of
-  every request served before it (what a deployment that re-places experts periodically from
-  its own capture would have), its device labels matched to the previous placement's (fewest
-  expert moves); one router over the whole stream.
+- ``online`` (a simulation, no look-ahead): the evaluation stream in blocks of ``--block``
+  requests (280); block k is served by tables (``tables``) or a placement and tables
+  (``placement``) re-solved on the profile plus the routing of every request served before it
+  (what a deployment that refreshes from its own capture would have), a new placement's device
+  labels matched to the previous one's (fewest expert moves); one router over the whole stream.
 - ``foresight`` (diagnostic, on evaluation requests): the deployed placement's LAR within 1.05x
   least-loaded's window imbalance (W = 256) for the online rule with the T2D votes (as served)
   and with every request's true local counts as its votes (a router that knew each request's
@@ -38,7 +38,7 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
 The ``default`` knobs are ``scheduling``'s (balance 4, price step 0.3 since 2026-12-03; the
 figures of benchmarks/SEEDS.md printed before that are at 64, 0.2).
 
-    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1]
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1] [--block 280]
 """
 
 import argparse
@@ -230,19 +230,20 @@ def study_online(trace, seeds, block=280):
         least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
         profiled = np.searchsorted(trace.request_ids, profile.request_ids)
         served = np.searchsorted(trace.request_ids, evaluation.request_ids)
-        for online in (False, True):
+        for online in ("none", "tables", "placement"):
             local = np.zeros((R, E))
             votes = np.zeros((R, E))
             moved, placement = [], None
             for start in range(0, R, block):
                 requests = np.arange(start, min(start + block, R))
-                if placement is None or online:
+                if placement is None or online != "none":
                     seen = trace.select_requests(np.sort(np.concatenate([profiled, served[:start]])))
-                    new, _ = solve(seen, seed)
-                    if placement is not None:
-                        new = relabel(placement, new)
-                        moved.append(float((new.expert_device != placement.expert_device).mean()))
-                    placement = new
+                    if placement is None or online == "placement":
+                        new, _ = solve(seen, seed)
+                        if placement is not None:
+                            new = relabel(placement, new)
+                            moved.append(float((new.expert_device != placement.expert_device).mean()))
+                        placement = new
                     tables = build_tables(seen, placement, mode="dp")
                 local[requests], votes[requests] = local_and_votes(tables, evaluation.select_requests(requests))
             activations = evaluation.num_tokens * evaluation.num_layers * evaluation.top_k
@@ -251,8 +252,10 @@ def study_online(trace, seeds, block=280):
             for balance, step in knobs:  # one router over the whole stream: prices and loads carry on
                 rank = scheduling.dp_assign(votes, work, balance, window, False, step)
                 m += [local[rows, rank].sum() / activations, scheduling.window_imbalance(rank, work, E, window) / least]
-            what = (f"re-placed every {block} requests (experts moved per re-placement: "
-                    + ", ".join(f"{x:.0%}" for x in moved) + ")") if online else "profile placement"
+            what = {"none": "profile placement and tables",
+                    "tables": f"profile placement, tables rebuilt every {block} requests",
+                    "placement": f"re-placed every {block} requests (experts moved per re-placement: "
+                                 + ", ".join(f"{x:.0%}" for x in moved) + ")"}[online]
             print(f"seed {seed}, {what}: {fmt(m)}", flush=True)
 
 
@@ -400,6 +403,7 @@ def main() -> None:
     parser.add_argument("study", choices=("shrink", "restarts", "fit", "curve", "online", "foresight", "bigram", "theta"))
     parser.add_argument("--seeds", default=None, help="default: 0-4 for shrink, 0,1 otherwise")
     parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
+    parser.add_argument("--block", type=int, default=280, help="online: requests served between re-solves")
     parser.add_argument("--trace", default=str(TRACE))
     args = parser.parse_args()
     trace = load_trace(args.trace)
@@ -407,6 +411,8 @@ def main() -> None:
     start = time.time()
     if args.study == "shrink":
         study_shrink(trace, seeds, args.variants.split(","))
+    elif args.study == "online":
+        study_online(trace, seeds, args.block)
     else:
         {"restarts": study_restarts, "fit": study_fit, "curve": study_curve,
          "online": study_online, "foresight": study_foresight, "bigram": study_bigram,
