@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,31 +29,39 @@ def test_votes_prefer_the_rank_holding_the_prompts_experts(tables):
     rows = tables.t2d_score.astype(np.float32).sum(axis=0)  # [J, E]
     token_for_rank = [int(tables.t2d_tokens[np.argmax(rows[:, r] - rows[:, 1 - r])]) for r in range(2)]
     for rank in range(2):
-        assert router.choose([token_for_rank[rank]] * 20, [0, 0]) == rank
+        assert router.choose([token_for_rank[rank]] * 20, [0, 0], f"r{rank}") == rank
     assert router.requests.tolist() == [1, 1] and router.prompt_tokens.tolist() == [20, 20]
 
 
 def test_guard_excludes_busy_ranks(tables):
     router = DpRouter(tables, 2, balance=0.0, slack=2)
     prompt = [int(tables.t2d_tokens[0])] * 5
-    preferred = router.choose(prompt, [0, 0])
+    preferred = router.choose(prompt, [0, 0], "a")
     scores = [0, 0]
     scores[preferred] = 3  # more than `slack` above the other rank
-    assert router.choose(prompt, scores) == 1 - preferred
+    assert router.choose(prompt, scores, "b") == 1 - preferred
 
 
 def test_in_flight_work_balances_lock_stepped_ranks(tables):
-    """Every request prefers the same rank; requests finish after 8 more arrive (vLLM's counts
-    say how many are unfinished per rank). With the balance knob the in-flight work stays
-    within a request or two of even; without it everything goes to the preferred rank."""
+    """Every request prefers the same rank; each generates one token per step and finishes
+    after 8 steps, one request arriving per step (the router sees the tokens and finishes as
+    vLLM's output hook passes them on). With the balance knob the in-flight work stays within a
+    request or two of even; without it everything goes to the preferred rank."""
     prompt = [int(tables.t2d_tokens[0])] * 30
 
     def serve(router):
-        ranks, spread = [], 0
-        for _ in range(200):
-            unfinished = np.bincount(ranks[-8:], minlength=2)
+        ranks, spread, running = [], 0, {}
+        for step in range(200):
+            unfinished = np.bincount([ranks[int(r[1:])] for r in running], minlength=2)
             spread = max(spread, int(unfinished.max() - unfinished.min()))
-            ranks.append(router.choose(prompt, unfinished.tolist()))
+            ranks.append(router.choose(prompt, unfinished.tolist(), f"r{step}"))
+            running[f"r{step}"] = 0
+            outputs = [SimpleNamespace(request_id=r, new_token_ids=[7]) for r in running]
+            for r in running:
+                running[r] += 1
+            finished = {r for r, n in running.items() if n == 8}
+            router.observe(outputs, finished)
+            running = {r: n for r, n in running.items() if r not in finished}
         return np.bincount(ranks, minlength=2), spread
 
     assert serve(DpRouter(tables, 2, balance=0.0, price_step=0.0))[0].min() == 0
@@ -68,20 +77,35 @@ def test_router_prices_follow_the_work_it_sends(tables):
     the chosen rank's price rises with the request's work (zero mean)."""
     router = DpRouter(tables, 2, balance=0.0, price_step=0.5, decode_weight=10.0)
     prompt = [int(tables.t2d_tokens[0])] * 10
-    rank = router.choose(prompt, [0, 0])
+    rank = router.choose(prompt, [0, 0], "r0")
     # the first request is the mean request: its rank's price rises by 0.5 x 1, both fall by 0.25
     expected = np.full(2, -0.25)
     expected[rank] += 0.5
     np.testing.assert_allclose(router.price, expected)
 
 
-def test_in_flight_work_counts_the_last_requests_sent(tables):
+def test_in_flight_work_is_prompt_plus_generated_tokens(tables):
+    """In-flight work per rank: prompt plus generated tokens of the router's unfinished requests
+    (from the outputs vLLM passes on), and the mean of those for requests vLLM counts beyond the
+    router's own (another API server's)."""
     router = DpRouter(tables, 2, decode_weight=10.0)
-    for length in (5, 7, 100):
-        router.record(0, length)
-    # work = prompt + 10: 15, 17, 110. 2 unfinished on rank 0: the last two sent there; 1 on
-    # rank 1, which this router never used (another API server's): the mean
-    np.testing.assert_allclose(router.in_flight_work([2, 1]), [17 + 110, (15 + 17 + 110) / 3])
+    for rid, length in (("a", 5), ("b", 7), ("c", 100)):
+        router.record(rid, 0, length)
+    np.testing.assert_allclose(router.in_flight_work([3, 0]), [112, 0])
+    # a and c generate 3 and 1 tokens; another request's output (not this router's) is ignored
+    router.observe([SimpleNamespace(request_id="a", new_token_ids=[1, 2, 3]),
+                    SimpleNamespace(request_id="c", new_token_ids=[4]),
+                    SimpleNamespace(request_id="elsewhere", new_token_ids=[5])], None)
+    np.testing.assert_allclose(router.in_flight_work([3, 0]), [116, 0])
+    # b finishes: 2 of this router's requests left on rank 0 (8 + 101 tokens); vLLM counts one
+    # more there and one on rank 1, each weighing the mean of the router's own (109 / 2)
+    router.observe([], {"b", "never-sent"})
+    assert router.in_flight_requests.tolist() == [2, 0]
+    np.testing.assert_allclose(router.in_flight_work([3, 1]), [109 + 54.5, 54.5])
+    # before any request is in flight, others' requests weigh the mean work routed (prompt + 10)
+    router.observe([], {"a", "c"})
+    np.testing.assert_allclose(router.in_flight_work([1, 0]), [(15 + 17 + 110) / 3, 0])
+    assert router.requests.tolist() == [3, 0]  # the routed counts are kept
 
 
 def test_tables_must_split_over_ranks(tables):
@@ -185,6 +209,12 @@ def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(tmp_path):
     # the replica slot serves this rank's tokens: more activations local, fewer bytes
     assert runs["semmoe_r1"]["live_lar"] > runs["semmoe"]["live_lar"]
     assert runs["semmoe_r1"]["moe_bytes_per_token"] < runs["semmoe"]["moe_bytes_per_token"]
+    # the router saw every request it routed and, through vLLM's output hook, every token they
+    # generated (its in-flight work), as the clients counted them
+    for name in ("semmoe", "semmoe_r1"):
+        run = runs[name]
+        assert run["failed"] == 0 and run["metrics"]["requests_total"] == run["ok"], name
+        assert run["metrics"]["generated_tokens_total"] == run["completion_tokens"] > 0, name
     log = (tmp_path / "server_semmoe.log").read_text()
     assert "Sem-MoE DP routing over 2 ranks" in log and "sparse EP MoE dispatch on 4 MoE layers" in log
     assert "1 replica slot(s) per rank" in (tmp_path / "server_semmoe_r1.log").read_text()

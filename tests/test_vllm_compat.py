@@ -171,6 +171,17 @@ def main():
     out["explicit"] = c.core_engines.index(c.get_core_engine_for_request(request("x", [cfg["tokens"][0]] * 20, rank=1)))
     out["again"] = c.core_engines.index(c.get_core_engine_for_request(request("r1", [cfg["tokens"][0]] * 20)))
     out["router_requests_after"] = state_of(c).dp_router.requests.tolist()
+    # 0.33's output handler, hooked: r0 generated 2 tokens and finished, r1 generated 1
+    import asyncio
+    router = state_of(c).dp_router
+    before = router.in_flight_tokens.tolist()
+    asyncio.run(DPLBAsyncMPClient.process_engine_outputs(c, SimpleNamespace(
+        outputs=[SimpleNamespace(request_id="r0", new_token_ids=[5, 6]), SimpleNamespace(request_id="r1", new_token_ids=[7])],
+        finished_requests={"r0"})))
+    out["router_tokens"] = [before, router.in_flight_tokens.tolist()]
+    out["router_in_flight"] = sorted(router.in_flight)
+    out["inflight_after_finish"] = [c.engine_inflight[e] for e in c.core_engines]
+    out["reqs_after_finish"] = sorted(c.reqs_in_flight)
     # not configured: vLLM 0.33's own choice, and the hook's score agrees with it
     lb = [[3, 1, 0.9], [4, 1, 0.1]]  # rank 0: fewer waiting but KV-bound; 0.33 prefers rank 1
     plain = client(None, [list(x) for x in lb])
@@ -210,6 +221,11 @@ def test_dp_routing_hook_on_033_client(source_033: Path, tmp_path: Path) -> None
     assert out["router_requests"] == [2, 2]
     assert out["explicit"] == 1 and out["again"] == 1
     assert out["router_requests_after"] == [2, 2]  # neither went through Sem-MoE's choice
+    # the output hook: vLLM's own bookkeeping still runs (r0 leaves rank 0; rank 1 also holds the explicit "x"), and the router's
+    # in-flight work gains r1's token and loses r0 (20 prompt + 2 generated)
+    assert out["inflight_after_finish"] == [1, 3] and "r0" not in out["reqs_after_finish"]
+    assert out["router_tokens"] == [[40.0, 40.0], [20.0, 41.0]]
+    assert out["router_in_flight"] == ["r1", "r2", "r3"]
     # 0.33's score: max(in-flight, waiting + running) + waiting * 6 * max(0, kv - 0.5)
     assert out["scores"] == pytest.approx([4 + 3 * 6 * 0.4, 5.0])
     assert out["vllm_choice"] == int(np.argmin(out["scores"])) == 1

@@ -206,7 +206,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
 def scrape_metrics(base: str) -> dict:
     """The server's ``vllm:semmoe_*`` counters from ``/metrics``, summed over DP ranks:
     ``{"moe_bytes_total": {op: bytes}, "local_activations_total": n, "remote_activations_total": n}``
-    (empty when the server exports none)."""
+    and, from the DP router, ``requests_total``, ``prompt_tokens_total``,
+    ``generated_tokens_total`` (empty when the server exports none)."""
     out: dict = {}
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
@@ -224,7 +225,8 @@ def scrape_metrics(base: str) -> dict:
             op = labels.split('op="', 1)[1].split('"', 1)[0]
             out.setdefault(name, {}).setdefault(op, 0)
             out[name][op] += int(float(value))
-        elif name in ("local_activations_total", "remote_activations_total"):
+        elif name in ("local_activations_total", "remote_activations_total", "requests_total",
+                      "prompt_tokens_total", "generated_tokens_total"):
             out[name] = out.get(name, 0) + int(float(value))
     return out
 
@@ -314,6 +316,7 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
         "ttft_p50_s": float(np.median([r["ttft_s"] for r in ok])) if ok else float("nan"),
         "ttft_p99_s": float(np.percentile([r["ttft_s"] for r in ok], 99)) if ok else float("nan"),
         "tpot_s": float(np.median(tpots)) if tpots else float("nan"),
+        "completion_tokens": sum(r["tokens"] for r in ok),
         "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
         "output_digest": digest,
         "outputs": [r.get("text") for r in results],

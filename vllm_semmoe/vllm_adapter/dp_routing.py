@@ -7,18 +7,17 @@ Runs in the API server process, in vLLM's DP load balancer
 router sent each rank, and each rank's in-flight work. This module gathers its inputs, keeps
 the prices and per-rank counters.
 
-In-flight work per rank: vLLM's own count of the rank's unfinished requests (its load
-balancer's queue score: waiting plus running, or in-flight requests times API servers) taken
-as that many of the requests this router sent there most recently, each weighing its prompt
-tokens plus the decode weight (:func:`vllm_semmoe.scheduling.request_work`: generated tokens
-are not visible here, the decode weight stands for them); requests beyond the ones it sent
-(other API servers') count the mean work.
+In-flight work per rank: the prompt tokens plus the tokens generated so far of every request
+this router sent there and vLLM has not finished. Generated tokens and finishes come from the
+engines' outputs as this process receives them (``DPLBAsyncMPClient.process_engine_outputs``,
+hooked by the plugin: the same stream vLLM's own balancer counts its in-flight requests from;
+:meth:`DpRouter.observe`). Requests other API servers sent (vLLM's per-rank queue score, waiting
+plus running, above this router's own in-flight count) count the mean in-flight work of this
+router's requests (before it has any in flight: the mean work of those it routed).
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import math
 
@@ -55,8 +54,12 @@ class DpRouter:
         #: per-rank prices (votes per unit of work), updated by every decision
         self.price = np.zeros(num_ranks)
         self.t2d = tables.t2d_score.astype(np.float32)
-        #: work of the requests sent to each rank, newest last (enough to cover its in-flight ones)
-        self.sent: list[collections.deque] = [collections.deque(maxlen=4096) for _ in range(num_ranks)]
+        #: this router's unfinished requests: request id -> [rank, prompt plus generated tokens]
+        self.in_flight: dict[str, list] = {}
+        #: ``[num_ranks]`` summed prompt plus generated tokens of this router's unfinished requests
+        self.in_flight_tokens = np.zeros(num_ranks)
+        #: ``[num_ranks]`` how many of this router's requests are unfinished on each rank
+        self.in_flight_requests = np.zeros(num_ranks, np.int64)
         self.total_work = 0.0
         self.requests = np.zeros(num_ranks, np.int64)
         self.prompt_tokens = np.zeros(num_ranks, np.int64)
@@ -71,15 +74,14 @@ class DpRouter:
         return per_device.reshape(self.num_ranks, self.ranks_per_dp).sum(axis=1)
 
     def in_flight_work(self, queue_scores) -> np.ndarray:
-        """``[num_ranks]`` estimated in-flight work from vLLM's per-rank queue scores (module
+        """``[num_ranks]`` in-flight work: this router's unfinished requests' prompt plus
+        generated tokens, and, where vLLM's queue score counts more unfinished requests than
+        this router's own (other API servers'), their mean for each of the others (module
         docstring)."""
-        mean = self.mean_work()
-        load = np.zeros(self.num_ranks)
-        for r, score in enumerate(queue_scores):
-            n = max(0, int(math.ceil(score)))
-            mine = list(itertools.islice(reversed(self.sent[r]), n))  # the last n sent, not the whole deque
-            load[r] = sum(mine) + (n - len(mine)) * mean
-        return load
+        mine = int(self.in_flight_requests.sum())
+        mean = self.in_flight_tokens.sum() / mine if mine else self.mean_work()
+        others = np.maximum(np.ceil(np.asarray(queue_scores, np.float64)) - self.in_flight_requests, 0.0)
+        return self.in_flight_tokens + others * mean
 
     def work(self, prompt_tokens: int) -> float:
         """A request's work: its prompt plus the decode weight (:func:`.scheduling.request_work`)."""
@@ -93,21 +95,28 @@ class DpRouter:
             total, count = total + pending, count + 1
         return total / count if count else self.work(1)
 
-    def choose(self, prompt_token_ids, queue_scores) -> int:
-        """Rank for a request, given each rank's queue score (vLLM's: unfinished requests)."""
+    def choose(self, prompt_token_ids, queue_scores, request_id: str) -> int:
+        """Rank for request ``request_id``, given each rank's queue score (vLLM's: unfinished
+        requests); the request counts as in flight there until :meth:`observe` sees it finish."""
         scores = np.asarray(queue_scores, np.float64)
         votes = self.votes(prompt_token_ids)
         votes[scores > scores.min() + self.slack] = -np.inf
         work = self.work(len(prompt_token_ids))
         rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), self.mean_work(pending=work),
                                                  work, self.balance, self.price, self.price_step))
-        self.record(rank, len(prompt_token_ids), work)
+        self.record(request_id, rank, len(prompt_token_ids), work)
         return rank
 
-    def record(self, rank: int, prompt_tokens: int, work: float | None = None) -> None:
-        """Count a request sent to ``rank`` (``work``: its :meth:`work`, computed if not given)."""
+    def record(self, request_id: str, rank: int, prompt_tokens: int, work: float | None = None) -> None:
+        """Count request ``request_id`` sent to ``rank`` (``work``: its :meth:`work`, computed if
+        not given) and in flight there with its prompt."""
         work = self.work(prompt_tokens) if work is None else work
-        self.sent[rank].append(work)
+        previous = self.in_flight.pop(request_id, None)
+        if previous is not None:  # an id reused before its finish was seen: the new request replaces it
+            self._retire(*previous)
+        self.in_flight[request_id] = [rank, prompt_tokens]
+        self.in_flight_tokens[rank] += prompt_tokens
+        self.in_flight_requests[rank] += 1
         self.total_work += work
         self.requests[rank] += 1
         self.prompt_tokens[rank] += prompt_tokens
@@ -118,12 +127,36 @@ class DpRouter:
             logger.info("semmoe DP routing: requests per rank %s, prompt tokens per rank %s",
                         self.requests.tolist(), self.prompt_tokens.tolist())
 
+    def observe(self, outputs, finished) -> None:
+        """One batch of engine outputs: ``outputs``, items with ``request_id`` and
+        ``new_token_ids`` (vLLM's ``EngineCoreOutput``), add their new tokens to their request's
+        in-flight work; ``finished`` (request ids, or ``None``) leave the in-flight set.
+        Requests this router did not send are ignored."""
+        for output in outputs or ():
+            entry = self.in_flight.get(output.request_id)
+            if entry is not None and output.new_token_ids:
+                entry[1] += len(output.new_token_ids)
+                self.in_flight_tokens[entry[0]] += len(output.new_token_ids)
+                if self.metrics:
+                    self.metrics[2].labels(dp_rank=str(entry[0])).inc(len(output.new_token_ids))
+        for request_id in finished or ():
+            entry = self.in_flight.pop(request_id, None)
+            if entry is not None:
+                self._retire(*entry)
+
+    def _retire(self, rank: int, tokens: int) -> None:
+        self.in_flight_tokens[rank] -= tokens
+        self.in_flight_requests[rank] -= 1
+
 
 def _prometheus_counters():
-    """``vllm:semmoe_requests`` and ``vllm:semmoe_prompt_tokens`` per DP rank on /metrics."""
+    """``vllm:semmoe_requests``, ``vllm:semmoe_prompt_tokens`` and ``vllm:semmoe_generated_tokens``
+    (those the router counted into its requests' in-flight work) per DP rank on /metrics."""
     from .metrics import prometheus_counters
 
     return prometheus_counters("DP routing", (
         ("vllm:semmoe_requests", "Requests routed by Sem-MoE, per DP rank", ("dp_rank",)),
         ("vllm:semmoe_prompt_tokens", "Prompt tokens routed by Sem-MoE, per DP rank", ("dp_rank",)),
+        ("vllm:semmoe_generated_tokens", "Generated tokens of the requests Sem-MoE routed, per DP rank",
+         ("dp_rank",)),
     ))

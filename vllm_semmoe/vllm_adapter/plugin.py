@@ -20,7 +20,9 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
   idle rank runs in lock-step with the serving ones;
 - ``GPUModelRunner.shutdown``: write the capture (:mod:`.recording`);
 - ``DPLBAsyncMPClient.get_core_engine_for_request``: in ``dp`` mode, pick each request's DP
-  rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins).
+  rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins);
+  ``DPLBAsyncMPClient.process_engine_outputs``: tell the router each request's generated tokens
+  and finish (its in-flight work).
 
 What runs inside the compiled model does so through the custom ops of :mod:`.ops`; the DP + EP
 dispatch is vLLM's own prepare/finalize interface (:mod:`.ep_dispatch`). This module holds the
@@ -225,10 +227,21 @@ def _patch_dp_router() -> None:
         router = state.dp_router
         if (router is not None and request.data_parallel_rank is None and request.prompt_token_ids
                 and not compat.dp_request_placed(self, request)):
-            request.data_parallel_rank = router.choose(request.prompt_token_ids, compat.dp_queue_scores(self))
+            request.data_parallel_rank = router.choose(request.prompt_token_ids, compat.dp_queue_scores(self),
+                                                       request.request_id)
         return original(self, request)
 
     client_class.get_core_engine_for_request = get_core_engine_for_request
+    original_outputs = client_class.process_engine_outputs  # a staticmethod: (self, outputs)
+
+    @functools.wraps(original_outputs)
+    async def process_engine_outputs(self, outputs):
+        await original_outputs(self, outputs)
+        state = state_of(self)
+        if state is not None and state.dp_router is not None:
+            state.dp_router.observe(outputs.outputs, outputs.finished_requests)
+
+    client_class.process_engine_outputs = staticmethod(process_engine_outputs)
 
 
 def make_dp_router(vllm_config, num_ranks: int):
