@@ -210,11 +210,13 @@ def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(tmp_path):
     assert runs["semmoe_r1"]["live_lar"] > runs["semmoe"]["live_lar"]
     assert runs["semmoe_r1"]["moe_bytes_per_token"] < runs["semmoe"]["moe_bytes_per_token"]
     # the router saw every request it routed and, through vLLM's output hook, every token they
-    # generated (its in-flight work), as the clients counted them
+    # generated (its in-flight work), as the clients counted them, and every finish (none is
+    # left in flight)
     for name in ("semmoe", "semmoe_r1"):
         run = runs[name]
         assert run["failed"] == 0 and run["metrics"]["requests_total"] == run["ok"], name
         assert run["metrics"]["generated_tokens_total"] == run["completion_tokens"] > 0, name
+        assert run["metrics"]["finished_requests_total"] == run["ok"], name
     log = (tmp_path / "server_semmoe.log").read_text()
     assert "Sem-MoE DP routing over 2 ranks" in log and "sparse EP MoE dispatch on 4 MoE layers" in log
     assert "1 replica slot(s) per rank" in (tmp_path / "server_semmoe_r1.log").read_text()

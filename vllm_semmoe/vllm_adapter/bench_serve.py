@@ -207,7 +207,7 @@ def scrape_metrics(base: str) -> dict:
     """The server's ``vllm:semmoe_*`` counters from ``/metrics``, summed over DP ranks:
     ``{"moe_bytes_total": {op: bytes}, "local_activations_total": n, "remote_activations_total": n}``
     and, from the DP router, ``requests_total``, ``prompt_tokens_total``,
-    ``generated_tokens_total`` (empty when the server exports none)."""
+    ``generated_tokens_total``, ``finished_requests_total`` (empty when the server exports none)."""
     out: dict = {}
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
@@ -226,7 +226,7 @@ def scrape_metrics(base: str) -> dict:
             out.setdefault(name, {}).setdefault(op, 0)
             out[name][op] += int(float(value))
         elif name in ("local_activations_total", "remote_activations_total", "requests_total",
-                      "prompt_tokens_total", "generated_tokens_total"):
+                      "prompt_tokens_total", "generated_tokens_total", "finished_requests_total"):
             out[name] = out.get(name, 0) + int(float(value))
     return out
 

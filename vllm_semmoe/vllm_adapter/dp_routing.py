@@ -143,6 +143,8 @@ class DpRouter:
             entry = self.in_flight.pop(request_id, None)
             if entry is not None:
                 self._retire(*entry)
+                if self.metrics:
+                    self.metrics[3].labels(dp_rank=str(entry[0])).inc()
 
     def _retire(self, rank: int, tokens: int) -> None:
         self.in_flight_tokens[rank] -= tokens
@@ -150,8 +152,9 @@ class DpRouter:
 
 
 def _prometheus_counters():
-    """``vllm:semmoe_requests``, ``vllm:semmoe_prompt_tokens`` and ``vllm:semmoe_generated_tokens``
-    (those the router counted into its requests' in-flight work) per DP rank on /metrics."""
+    """``vllm:semmoe_requests``, ``vllm:semmoe_prompt_tokens``, ``vllm:semmoe_generated_tokens``
+    (those the router counted into its requests' in-flight work) and
+    ``vllm:semmoe_finished_requests`` (requests minus finished: in flight) per DP rank on /metrics."""
     from .metrics import prometheus_counters
 
     return prometheus_counters("DP routing", (
@@ -159,4 +162,5 @@ def _prometheus_counters():
         ("vllm:semmoe_prompt_tokens", "Prompt tokens routed by Sem-MoE, per DP rank", ("dp_rank",)),
         ("vllm:semmoe_generated_tokens", "Generated tokens of the requests Sem-MoE routed, per DP rank",
          ("dp_rank",)),
+        ("vllm:semmoe_finished_requests", "Requests Sem-MoE routed that finished, per DP rank", ("dp_rank",)),
     ))
