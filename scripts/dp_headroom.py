@@ -415,8 +415,7 @@ def main() -> None:
         study_online(trace, seeds, args.block)
     else:
         {"restarts": study_restarts, "fit": study_fit, "curve": study_curve,
-         "online": study_online, "foresight": study_foresight, "bigram": study_bigram,
-         "theta": study_theta}[args.study](trace, seeds)
+         "foresight": study_foresight, "bigram": study_bigram, "theta": study_theta}[args.study](trace, seeds)
     print(f"({time.time() - start:.0f} s)")
 
 

@@ -299,6 +299,7 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
     traffic = {key: value for key, value in traffic.items() if value or key in EXCHANGE_KEYS}
     loads = np.asarray(rank_prompt_tokens, float)
     tpots = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    completion_tokens = sum(r["tokens"] for r in ok)
     digest = hashlib.sha256(json.dumps([r.get("text") for r in results]).encode()).hexdigest()[:16]
     return {
         "policy": policy,
@@ -316,8 +317,8 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
         "ttft_p50_s": float(np.median([r["ttft_s"] for r in ok])) if ok else float("nan"),
         "ttft_p99_s": float(np.percentile([r["ttft_s"] for r in ok], 99)) if ok else float("nan"),
         "tpot_s": float(np.median(tpots)) if tpots else float("nan"),
-        "completion_tokens": sum(r["tokens"] for r in ok),
-        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "completion_tokens": completion_tokens,
+        "throughput_tok_s": completion_tokens / wall,
         "output_digest": digest,
         "outputs": [r.get("text") for r in results],
         "wall_s": wall,

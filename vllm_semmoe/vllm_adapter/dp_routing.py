@@ -56,10 +56,6 @@ class DpRouter:
         self.t2d = tables.t2d_score.astype(np.float32)
         #: this router's unfinished requests: request id -> [rank, prompt plus generated tokens]
         self.in_flight: dict[str, list] = {}
-        #: ``[num_ranks]`` summed prompt plus generated tokens of this router's unfinished requests
-        self.in_flight_tokens = np.zeros(num_ranks)
-        #: ``[num_ranks]`` how many of this router's requests are unfinished on each rank
-        self.in_flight_requests = np.zeros(num_ranks, np.int64)
         self.total_work = 0.0
         self.requests = np.zeros(num_ranks, np.int64)
         self.prompt_tokens = np.zeros(num_ranks, np.int64)
@@ -73,15 +69,26 @@ class DpRouter:
                                               self.tables.oov_score)[0]
         return per_device.reshape(self.num_ranks, self.ranks_per_dp).sum(axis=1)
 
+    @property
+    def in_flight_requests(self) -> np.ndarray:
+        """``[num_ranks]`` int64 how many of this router's requests are unfinished on each rank."""
+        return np.bincount([r for r, _ in self.in_flight.values()], minlength=self.num_ranks).astype(np.int64)
+
+    @property
+    def in_flight_tokens(self) -> np.ndarray:
+        """``[num_ranks]`` float64 summed prompt plus generated tokens of those requests."""
+        ranks, tokens = zip(*self.in_flight.values()) if self.in_flight else ((), ())
+        return np.bincount(ranks, weights=tokens, minlength=self.num_ranks).astype(np.float64)
+
     def in_flight_work(self, queue_scores) -> np.ndarray:
         """``[num_ranks]`` in-flight work: this router's unfinished requests' prompt plus
         generated tokens, and, where vLLM's queue score counts more unfinished requests than
         this router's own (other API servers'), their mean for each of the others (module
         docstring)."""
-        mine = int(self.in_flight_requests.sum())
-        mean = self.in_flight_tokens.sum() / mine if mine else self.mean_work()
-        others = np.maximum(np.ceil(np.asarray(queue_scores, np.float64)) - self.in_flight_requests, 0.0)
-        return self.in_flight_tokens + others * mean
+        tokens, requests = self.in_flight_tokens, self.in_flight_requests
+        mean = tokens.sum() / requests.sum() if self.in_flight else self.mean_work()
+        others = np.maximum(np.ceil(np.asarray(queue_scores, np.float64)) - requests, 0.0)
+        return tokens + others * mean
 
     def work(self, prompt_tokens: int) -> float:
         """A request's work: its prompt plus the decode weight (:func:`.scheduling.request_work`)."""
@@ -111,12 +118,7 @@ class DpRouter:
         """Count request ``request_id`` sent to ``rank`` (``work``: its :meth:`work`, computed if
         not given) and in flight there with its prompt."""
         work = self.work(prompt_tokens) if work is None else work
-        previous = self.in_flight.pop(request_id, None)
-        if previous is not None:  # an id reused before its finish was seen: the new request replaces it
-            self._retire(*previous)
-        self.in_flight[request_id] = [rank, prompt_tokens]
-        self.in_flight_tokens[rank] += prompt_tokens
-        self.in_flight_requests[rank] += 1
+        self.in_flight[request_id] = [rank, prompt_tokens]  # a reused id: the new request replaces it
         self.total_work += work
         self.requests[rank] += 1
         self.prompt_tokens[rank] += prompt_tokens
@@ -132,23 +134,22 @@ class DpRouter:
         ``new_token_ids`` (vLLM's ``EngineCoreOutput``), add their new tokens to their request's
         in-flight work; ``finished`` (request ids, or ``None``) leave the in-flight set.
         Requests this router did not send are ignored."""
+        generated = np.zeros(self.num_ranks, np.int64)
         for output in outputs or ():
             entry = self.in_flight.get(output.request_id)
             if entry is not None and output.new_token_ids:
                 entry[1] += len(output.new_token_ids)
-                self.in_flight_tokens[entry[0]] += len(output.new_token_ids)
-                if self.metrics:
-                    self.metrics[2].labels(dp_rank=str(entry[0])).inc(len(output.new_token_ids))
+                generated[entry[0]] += len(output.new_token_ids)
+        left = np.zeros(self.num_ranks, np.int64)
         for request_id in finished or ():
             entry = self.in_flight.pop(request_id, None)
             if entry is not None:
-                self._retire(*entry)
-                if self.metrics:
-                    self.metrics[3].labels(dp_rank=str(entry[0])).inc()
-
-    def _retire(self, rank: int, tokens: int) -> None:
-        self.in_flight_tokens[rank] -= tokens
-        self.in_flight_requests[rank] -= 1
+                left[entry[0]] += 1
+        if self.metrics:  # one increment per rank and batch, not per request
+            for rank in np.nonzero(generated)[0]:
+                self.metrics[2].labels(dp_rank=str(rank)).inc(int(generated[rank]))
+            for rank in np.nonzero(left)[0]:
+                self.metrics[3].labels(dp_rank=str(rank)).inc(int(left[rank]))
 
 
 def _prometheus_counters():
