@@ -28,7 +28,7 @@ other ranks"), in the engine's :class:`~.state.SemMoEState` counters:
   sparse: one per received row);
 - ``metadata_bytes``: top-k weights and ids (and activation scales), split sizes;
 - ``allreduce_bytes``, ``reduce_scatter_bytes``, ``allgather_bytes``: the tensor-parallel
-  group's collectives (:func:`meter_collectives`; vLLM's all-reduces, the TP shuffle's
+  group's collectives (:class:`CollectiveMeter`; vLLM's all-reduces, the TP shuffle's
   reduce-scatter and all-gathers), as the bytes a rank sends under ring algorithms: all-reduce
   ``2 (E-1)/E`` of the tensor, reduce-scatter ``(E-1)/E`` of its input (uneven: all but its own
   rows), all-gather ``E-1`` times its input (uneven: the other ranks' rows).
@@ -256,41 +256,93 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def meter_collectives(communicator, rank: int, world: int, counters_of) -> None:
-    """Count the bytes of ``communicator``'s (one group's device communicator, this process)
-    all-reduce, reduce-scatter(v) and all-gather(v) calls, changing nothing they do. Nested
-    calls (one collective implemented with another) count once."""
-    depth = [0]
+#: the tensor-parallel collectives :class:`CollectiveMeter` counts, in its ledger's order
+TP_COLLECTIVE_KEYS = ("allreduce_bytes", "reduce_scatter_bytes", "allgather_bytes")
 
-    def counted(name: str, volume):
-        original = getattr(communicator, name)
+
+class CollectiveMeter:
+    """Counts the bytes of one group's device communicator's (this process) all-reduce,
+    reduce-scatter(v) and all-gather(v) calls, changing nothing they do. Nested calls (one
+    collective implemented with another) count once.
+
+    A call made in Python adds to ``counters_of()`` as it runs. A call that is part of a
+    compiled graph runs no Python when the graph runs: on CPU vLLM traces the communicator
+    into its graph (Dynamo), on CUDA its collectives' op is replayed by CUDA graphs. Such a call
+    adds its bytes to :attr:`ledger` with a tensor op the graph keeps and replays, computed
+    from the traced tensor's symbolic size, so every run of the graph counts what it sends;
+    :meth:`mark` and :meth:`settle` move what the ledger gained over a real step into the
+    counters (graphs also run in warm-up and profiling, which count nothing).
+
+    Attributes:
+        ledger: ``[3]`` int64 on the communicator's device: bytes × ``world`` per
+            :data:`TP_COLLECTIVE_KEYS`, as counted inside graphs since the start.
+        marked: ``[3]`` the ledger's values at the last :meth:`mark`.
+    """
+
+    def __init__(self, communicator, rank: int, world: int, counters_of) -> None:
+        self.rank, self.world, self.counters_of = rank, world, counters_of
+        self.ledger = torch.zeros(len(TP_COLLECTIVE_KEYS), dtype=torch.int64,
+                                  device=getattr(communicator, "device", None) or "cpu")
+        self.marked = [0] * len(TP_COLLECTIVE_KEYS)
+        self._depth = [0]
+        for name, volume in (("all_reduce", self._all_reduce), ("reduce_scatter", self._reduce_scatter),
+                             ("reduce_scatterv", self._reduce_scatterv), ("all_gather", self._all_gather),
+                             ("all_gatherv", self._all_gatherv)):
+            setattr(communicator, name, self._counted(getattr(communicator, name), volume))
+
+    def _counted(self, original, volume):
+        depth, ledger, world = self._depth, self.ledger, self.world
 
         def call(input_, *args, **kwargs):
             if depth[0] == 0:
-                key, nbytes = volume(input_, *args, **kwargs)
-                counters_of()[key] += int(nbytes)
+                key, scaled = volume(input_, *args, **kwargs)  # bytes × world
+                if torch.compiler.is_compiling() or (getattr(input_, "is_cuda", False)
+                                                     and torch.cuda.is_current_stream_capturing()):
+                    ledger[TP_COLLECTIVE_KEYS.index(key)].add_(scaled)
+                else:
+                    self.counters_of()[key] += int(scaled) // world
             depth[0] += 1
             try:
                 return original(input_, *args, **kwargs)
             finally:
                 depth[0] -= 1
 
-        setattr(communicator, name, call)
+        return call
 
-    def rows_share(t, dim, sizes, mine: bool):
+    def mark(self) -> None:
+        """Note the ledger's values (at the start of a real step; one device-to-host copy)."""
+        self.marked = self.ledger.tolist()
+
+    def settle(self, counters: dict) -> None:
+        """Add what the ledger gained since :meth:`mark` to ``counters`` (at the step's end)."""
+        now = self.ledger.tolist()
+        for key, before, after in zip(TP_COLLECTIVE_KEYS, self.marked, now):
+            counters[key] += (after - before) // self.world
+        self.marked = now
+
+    # volumes, as bytes × world (exact integers, symbolic inside a traced graph)
+    def _all_reduce(self, x, *args, **kwargs):
+        return "allreduce_bytes", 2 * (self.world - 1) * _nbytes_any(x)
+
+    def _reduce_scatter(self, x, *args, **kwargs):
+        return "reduce_scatter_bytes", (self.world - 1) * _nbytes_any(x)
+
+    def _reduce_scatterv(self, x, dim=-1, sizes=None, *args, **kwargs):
+        return "reduce_scatter_bytes", self._rows_share(x, dim, sizes, mine=False)
+
+    def _all_gather(self, x, *args, **kwargs):
+        return "allgather_bytes", self.world * (self.world - 1) * _nbytes_any(x)
+
+    def _all_gatherv(self, x, dim=0, sizes=None, *args, **kwargs):
+        if not sizes:
+            return self._all_gather(x)
+        return "allgather_bytes", self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
+
+    def _rows_share(self, t, dim, sizes, mine: bool):
         total = _nbytes_any(t)
         if not sizes:
-            return total / world if mine else total * (world - 1) / world
-        return _row_bytes_any(t, dim) * (sizes[rank] if mine else sum(sizes) - sizes[rank])
-
-    counted("all_reduce", lambda x, *a, **k: ("allreduce_bytes", 2 * (world - 1) * _nbytes_any(x) / world))
-    counted("reduce_scatter", lambda x, *a, **k: ("reduce_scatter_bytes", (world - 1) * _nbytes_any(x) / world))
-    counted("reduce_scatterv", lambda x, dim=-1, sizes=None, *a, **k:
-            ("reduce_scatter_bytes", rows_share(x, dim, sizes, mine=False)))
-    counted("all_gather", lambda x, *a, **k: ("allgather_bytes", (world - 1) * _nbytes_any(x)))
-    counted("all_gatherv", lambda x, dim=0, sizes=None, *a, **k:
-            ("allgather_bytes", (world - 1) * _nbytes_any(x) if not sizes else
-             _row_bytes_any(x, dim) * (sum(sizes) - sizes[rank])))
+            return total if mine else total * (self.world - 1)
+        return self.world * _row_bytes_any(t, dim) * (sizes[self.rank] if mine else sum(sizes) - sizes[self.rank])
 
 
 def _nbytes_any(t) -> int:

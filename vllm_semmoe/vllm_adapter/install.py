@@ -69,11 +69,11 @@ def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
         warm_up_scheduler(state.tables, ep_size)
     install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
     if layout["tp"] > 1 and state.recorder is not None:  # count the TP group's collectives too
-        from .ep_dispatch import meter_collectives
+        from .ep_dispatch import CollectiveMeter
 
         tp = compat.tp_group()
-        meter_collectives(tp.device_communicator, tp.rank_in_group, tp.world_size, _weak_counters(state))
-        state.tp_metered = True
+        state.tp_meter = CollectiveMeter(tp.device_communicator, tp.rank_in_group, tp.world_size,
+                                         _weak_counters(state))
     if config.records:  # flush at interpreter exit too (holds the state weakly)
         flush_at_exit(state)
     return state

@@ -152,6 +152,8 @@ def _patch_model_runner() -> None:
                 output = model_forward(self, input_ids, positions, *args, **kwargs)
             else:
                 begin_step(self, state, input_ids, positions)
+                if state.tp_meter is not None:
+                    state.tp_meter.mark()
                 try:
                     output = model_forward(self, input_ids, positions, *args, **kwargs)
                 except BaseException:
@@ -159,6 +161,8 @@ def _patch_model_runner() -> None:
                     raise
                 finally:
                     state.end_step()
+                if state.tp_meter is not None:  # what the compiled graph's collectives counted
+                    state.tp_meter.settle(state.counters)
                 state.recorder.end_forward()
         finally:
             state.in_step = False

@@ -136,7 +136,7 @@ def flush_state(state: SemMoEState) -> dict:
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
     if state.counters["layers_run"] and state.shuffles:
         summary["tp_shuffle"] = dict(state.counters)
-    if state.dispatch is not None or state.tp_metered:
+    if state.dispatch is not None or state.tp_meter is not None:
         summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
     if recorder.meter is not None:
         summary["replayed"] = recorder.meter.result()

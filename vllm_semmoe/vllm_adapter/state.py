@@ -78,7 +78,8 @@ class SemMoEState:
             EP exchange), ``"vllm"`` (vLLM's all-gather / reduce-scatter, metered) or ``None``
             (no DP + EP all-gather dispatch in this engine).
         in_step: whether a real step is running (what the counters count).
-        tp_metered: whether the tensor-parallel group's collectives are counted.
+        tp_meter: the :class:`~.ep_dispatch.CollectiveMeter` counting the tensor-parallel
+            group's collectives (``None``: not counted).
         metrics: the :class:`~.metrics.EngineMetrics` exporting ``counters`` on ``/metrics``
             (``None``: no API server can read this process's counters).
         step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
@@ -97,7 +98,7 @@ class SemMoEState:
     dispatch: str | None = None
     in_step: bool = False
     metrics: Any = None
-    tp_metered: bool = False
+    tp_meter: Any = None
     step: StepContext | None = None
     flushed_steps: int = -1
     flushed_summary: dict = field(default_factory=dict)
