@@ -953,6 +953,9 @@ def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
     config = json.loads((Path(tiny_moe_path()) / "config.json").read_text())
     row, layers = config["hidden_size"] * 2, config["num_hidden_layers"]  # bfloat16 rows
     for policy, run in runs.items():
+        # compiled, as `vllm serve` runs by default (the engines' own config line): stock's
+        # all-reduces run inside the compiled graph and are counted there (CollectiveMeter)
+        assert run["compiled"] and "enforce_eager=False" in (tmp_path / f"server_{policy}.log").read_text()
         assert run["ok"] == 16 and run["failed"] == 0, run["errors"]
         assert run["tp"] == 2 and run["tokens"] > 0
         json.dumps(run)

@@ -139,7 +139,9 @@ def _serve_policies(model, tmp_path, policies, num_prompts=40, concurrency=8) ->
         runs[name] = run_bench_serve(str(model), dataset, str(tmp_path), dp=2, policy=policy, num_prompts=num_prompts,
                                      concurrency=concurrency, max_tokens=8, profile_prompts=60,
                                      redundant=int(R or 0))
-    for run in runs.values():
+    for name, run in runs.items():
+        # served as `vllm serve` runs by default: compiled (the engines' own config line says so)
+        assert run["compiled"] and "enforce_eager=False" in (tmp_path / f"server_{name}.log").read_text()
         assert run["ok"] == num_prompts and run["failed"] == 0, run["errors"]
         assert all(tokens > 0 for tokens in run["rank_prompt_tokens"])
         assert 0.0 < run["live_lar"] < 1.0

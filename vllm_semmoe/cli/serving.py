@@ -154,13 +154,13 @@ def cmd_demo(args) -> int:
 
     result = demo(args.model or _default_model(), args.dataset, args.workdir, ep_size=args.ep,
                   profile_prompts=args.profile_prompts, eval_prompts=args.eval_prompts, skip=args.skip,
-                  max_tokens=args.max_tokens, dtype=args.dtype)
+                  max_tokens=args.max_tokens, dtype=args.dtype, enforce_eager=args.enforce_eager)
     rows = result["methods"]
     van, sem = rows["vanilla"], rows["semmoe"]
     print(f"Sem-MoE demo: {os.path.basename(result['model'])}; profiled {result['profile']['prompts']} ShareGPT "
           f"prompts, served {result['eval']['prompts']} others")
     print(f"1. executed EP: DP {result['executed_dp']} + EP {result['executed_dp']} engines (one process per rank), "
-          f"{result['dtype']}; MoE bytes counted by the engines")
+          f"{result['dtype']}, {'compiled' if result['compiled'] else 'eager'}; MoE bytes counted by the engines")
     print(f"{'method':<10}{'moe_B/token':>13}{'vs vanilla':>12}{'live_lar':>10}{'ok':>5}  digest")
     for name, row in rows.items():
         print(f"{name:<10}{row['moe_bytes_per_token']:>13.0f}{row['moe_bytes_per_token'] / van['moe_bytes_per_token']:>11.3f}x"
@@ -203,10 +203,11 @@ def cmd_bench_serve(args) -> int:
                                     policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                                     max_tokens=args.max_tokens, profile_trace=args.profile_trace,
                                     dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
-                                    dtype=args.dtype, redundant=R))
+                                    dtype=args.dtype, redundant=R, enforce_eager=args.enforce_eager))
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
-          f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}; MoE bytes counted by the engines")
+          f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}, "
+          f"{'compiled' if first['compiled'] else 'eager'}; MoE bytes counted by the engines")
     base = runs[0]["moe_bytes_per_token"]
     print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
@@ -292,6 +293,12 @@ def cmd_serve(argv: list[str]) -> int:
 PASSTHROUGH = {"serve": cmd_serve, "profile": cmd_profile_argv}
 
 
+def _add_enforce_eager_argument(parser, what: str = "serve", note: str = "") -> None:
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help=f"{what} with vLLM's --enforce-eager (default: vLLM's default compiled mode, as "
+                             f"`vllm serve` runs; each engine compiles at start-up){note}")
+
+
 def add_parsers(sub) -> None:
     """Register ``profile``, ``serve``, ``bench-serve``, ``bench-ep`` and ``demo``."""
     # parsed by cmd_profile_argv (PASSTHROUGH), which hands unlisted options to vLLM's engine
@@ -319,6 +326,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
+    _add_enforce_eager_argument(p)
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
     p.add_argument("--dp-balance", type=float, default=None,
                    help="semmoe: the DP router's locality-vs-balance knob (default: the plugin's; "
@@ -350,6 +358,8 @@ def add_parsers(sub) -> None:
                    help="the executed EP engines' dtype: float32 gives stock vLLM's tokens exactly; in bfloat16 "
                         "vLLM's CPU fused-MoE kernel sums a token's experts in physical order, so a re-placed "
                         "model rounds its partial sums differently and some texts part")
+    _add_enforce_eager_argument(p, "serve the executed EP engines",
+                                ". Profiling and simulated EP are offline jobs and run eager")
     p.add_argument("--workdir", default=os.path.join("out", "demo"), help="traces, tables and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_demo)

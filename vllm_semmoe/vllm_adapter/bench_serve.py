@@ -1,12 +1,12 @@
 """``semmoe bench-serve``: serving the embedded model under a bounded ShareGPT load, DP + EP
 or TP + EP.
 
-Starts ``semmoe serve`` with data (or tensor) parallelism and expert parallelism on loopback,
-sends a bounded number of streamed completions at a fixed concurrency, stops the server, and
-reports requests ok/failed, TTFT, TPOT, throughput, a digest of the generated text, and, from
-the engines' own counters: the MoE bytes they moved per token (:mod:`.ep_dispatch`), live LAR
-(from the routing the engines ran, or in TP mode from the exchange) and, under DP, the prompt
-tokens each rank processed.
+Starts ``semmoe serve`` (vLLM's default compiled mode unless ``--enforce-eager``) with data (or
+tensor) parallelism and expert parallelism on loopback, sends a bounded number of streamed
+completions at a fixed concurrency, stops the server, and reports requests ok/failed, TTFT,
+TPOT, throughput, a digest of the generated text, and, from the engines' own counters: the MoE
+bytes they moved per token (:mod:`.ep_dispatch`), live LAR (from the routing the engines ran,
+or in TP mode from the exchange) and, under DP, the prompt tokens each rank processed.
 
 DP policies (:data:`POLICIES`), what users would choose between:
 
@@ -129,13 +129,18 @@ def stream_completion(base: str, model: str, prompt, max_tokens: int, timeout: f
 def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: int = 1, policy: str = "semmoe",
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
-                    max_model_len: int = 1024, startup_timeout: float = 300, dp_balance: float | None = None,
-                    dp_price_step: float | None = None, dtype: str = "bfloat16", redundant: int = 0) -> dict:
+                    max_model_len: int = 1024, startup_timeout: float = 900, dp_balance: float | None = None,
+                    dp_price_step: float | None = None, dtype: str = "bfloat16", redundant: int = 0,
+                    enforce_eager: bool = False) -> dict:
     """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
     measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP).
     ``redundant``: replica slots per rank of the Sem-MoE placement (the policies on stock
     vLLM's placement have none). ``dp_balance`` / ``dp_price_step``: the DP router's knobs
-    (``semmoe serve --dp-balance / --dp-price-step``; ``None``: the plugin's defaults)."""
+    (``semmoe serve --dp-balance / --dp-price-step``; ``None``: the plugin's defaults).
+    ``enforce_eager``: serve with ``--enforce-eager``; by default in vLLM's default compiled
+    mode, as ``vllm serve`` does (each engine compiles at start-up; piecewise CUDA graphs where
+    there are CUDA graphs), the collectives inside the compiled graph counted by
+    :class:`~.ep_dispatch.CollectiveMeter`."""
     if tp > 1 and dp != 1:
         raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
     policies = TP_POLICIES if tp > 1 else POLICIES
@@ -172,8 +177,13 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     log_path = os.path.join(workdir, f"server_{policy}{replicas}.log")
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--enforce-eager", "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
+           "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
            "--mode", mode, "--capture", capture]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    else:  # the capture and the sparse dispatch run Python every step: on CUDA, piecewise graphs that
+        # split at the plugin's ops (full graphs are refused at start); the CPU build has no CUDA graphs
+        cmd += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
     cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else ["--data-parallel-size", str(dp), "--dispatch", dispatch]
     if dp_balance is not None:
         cmd += ["--dp-balance", str(dp_balance)]
@@ -200,6 +210,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     summary["metrics"] = metrics
     summary["dtype"] = dtype
     summary["redundant"] = R
+    summary["compiled"] = not enforce_eager
     return summary
 
 

@@ -37,7 +37,7 @@ def profile(model: str, dataset: str, num_prompts: int, out: str, *, skip: int =
 
 def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_prompts: int = 300,
          eval_prompts: int = 100, skip: int = 3000, max_tokens: int = 16, batch_tokens: int = 512,
-         seed: int = 0, executed_dp: int = 2, dtype: str = "float32") -> dict:
+         seed: int = 0, executed_dp: int = 2, dtype: str = "float32", enforce_eager: bool = False) -> dict:
     """Profile → solve → serve other prompts with each placement, twice:
 
     1. **executed EP** (the delivery): the prompts are served by DP ``executed_dp`` + EP engines
@@ -46,7 +46,8 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
        with Sem-MoE's placement, DP routing and the sparse dispatch. Per method:
        engine-counted ``moe_bytes_per_token``, the engines' ``live_lar``, a digest of the text.
        In ``dtype`` (float32 by default: bit-identical texts; in bfloat16 vLLM's CPU fused-MoE
-       kernel sums a token's experts in physical order, so a re-placed model rounds differently).
+       kernel sums a token's experts in physical order, so a re-placed model rounds differently),
+       in vLLM's default compiled mode unless ``enforce_eager``.
     2. **simulated EP** ``ep_size`` on one device (TP mode, the paper's EP 8; ``simulated_ep``):
        the placement applied by the plugin, the routing captured; ``replayed_lar`` is the
        offline evaluator counted on that capture one engine step at a time, and
@@ -66,7 +67,8 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
         _say(f"{method}: serving {len(prompts)} other prompts on DP {executed_dp} + EP engines")
         run = run_bench_serve(model, dataset, os.path.join(workdir, "executed_ep"), dp=executed_dp, policy=policy,
                               num_prompts=eval_prompts, concurrency=16, max_tokens=max_tokens,
-                              profile_trace=profile_path, profile_prompts=profile_prompts, skip=skip, dtype=dtype)
+                              profile_trace=profile_path, profile_prompts=profile_prompts, skip=skip, dtype=dtype,
+                              enforce_eager=enforce_eager)
         methods[method] = {key: run[key] for key in (
             "moe_bytes_per_token", "moe_bytes", "live_lar", "output_digest", "ok", "failed", "tokens",
             "ttft_p50_s", "throughput_tok_s")}
@@ -98,6 +100,7 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
         "model": model,
         "executed_dp": executed_dp,
         "dtype": dtype,
+        "compiled": not enforce_eager,
         "ep_size": ep_size,
         "profile": {"dataset": dataset, "prompts": profile_prompts, "skip": skip,
                     "tokens": profile_trace.num_tokens},
