@@ -182,9 +182,13 @@ def _patch_model_runner() -> None:
         if state is None or state.dispatch is None:
             return execute_dummy_batch(self, *args, **kwargs)
         state.in_step = True
+        if state.tp_meter is not None:
+            state.tp_meter.mark()
         try:
             return execute_dummy_batch(self, *args, **kwargs)
         finally:
+            if state.tp_meter is not None:  # its TP collectives, as in a real step
+                state.tp_meter.settle(state.counters)
             state.in_step = False
             publish_counters(state, write_live=True)
 
