@@ -328,7 +328,9 @@ class CollectiveMeter:
         return "reduce_scatter_bytes", (self.world - 1) * _nbytes_any(x)
 
     def _reduce_scatterv(self, x, dim=-1, sizes=None, *args, **kwargs):
-        return "reduce_scatter_bytes", self._rows_share(x, dim, sizes, mine=False)
+        if not sizes:
+            return self._reduce_scatter(x)
+        return "reduce_scatter_bytes", self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
 
     def _all_gather(self, x, *args, **kwargs):
         return "allgather_bytes", self.world * (self.world - 1) * _nbytes_any(x)
@@ -337,12 +339,6 @@ class CollectiveMeter:
         if not sizes:
             return self._all_gather(x)
         return "allgather_bytes", self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
-
-    def _rows_share(self, t, dim, sizes, mine: bool):
-        total = _nbytes_any(t)
-        if not sizes:
-            return total if mine else total * (self.world - 1)
-        return self.world * _row_bytes_any(t, dim) * (sizes[self.rank] if mine else sum(sizes) - sizes[self.rank])
 
 
 def _nbytes_any(t) -> int:

@@ -71,7 +71,7 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
                               enforce_eager=enforce_eager)
         methods[method] = {key: run[key] for key in (
             "moe_bytes_per_token", "moe_bytes", "live_lar", "output_digest", "ok", "failed", "tokens",
-            "ttft_p50_s", "throughput_tok_s")}
+            "ttft_p50_s", "throughput_tok_s", "compiled")}
 
         solve_start = time.perf_counter()
         placement = get_policy(method).solve(profile_trace, ep_size, mode="tp", seed=seed)
@@ -100,7 +100,7 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
         "model": model,
         "executed_dp": executed_dp,
         "dtype": dtype,
-        "compiled": not enforce_eager,
+        "compiled": all(m["compiled"] for m in methods.values()),
         "ep_size": ep_size,
         "profile": {"dataset": dataset, "prompts": profile_prompts, "skip": skip,
                     "tokens": profile_trace.num_tokens},
