@@ -15,7 +15,7 @@ from vllm_semmoe.cli import serve_command
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.synthetic import synthetic_trace
 from vllm_semmoe.tables import build_tables
-from vllm_semmoe.vllm_adapter.bench_serve import free_port, stop_server, wait_healthy
+from vllm_semmoe.vllm_adapter.bench_serve import engines_compiled, free_port, stop_server, wait_healthy
 
 CONCURRENT = 64
 
@@ -64,6 +64,11 @@ def server(tmp_path_factory):
 def test_plugin_is_active(server):
     _, work = server
     assert "semmoe: semmoe placement (EP 8) installed on 4 MoE layers" in (work / "server.log").read_text()
+    # bench-serve's `compiled` is read from the engine's own config line: this server is eager
+    assert engines_compiled(str(work / "server.log")) is False
+    (work / "no_engine.log").write_text("semmoe: nothing started\n")
+    with pytest.raises(RuntimeError, match="no vLLM engine config line"):
+        engines_compiled(str(work / "no_engine.log"))
 
 
 def test_completions_and_chat_under_concurrent_load(server):

@@ -210,8 +210,25 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     summary["metrics"] = metrics
     summary["dtype"] = dtype
     summary["redundant"] = R
-    summary["compiled"] = not enforce_eager
+    summary["compiled"] = engines_compiled(log_path)
+    if summary["compiled"] == enforce_eager:
+        _say(f"warning: asked to serve {'eager' if enforce_eager else 'compiled'}, but the engines' config "
+             f"says otherwise ({log_path})")
     return summary
+
+
+def engines_compiled(log_path: str) -> bool:
+    """Whether every engine of a server ran compiled, read from the config line each vLLM engine
+    core logs at start (``... with config: ... enforce_eager=False, ...``), not from the flags it
+    was started with. Raises ``RuntimeError`` naming the log when it holds no such line."""
+    flags = []
+    with open(log_path, errors="replace") as log:
+        for line in log:
+            if "with config:" in line and "enforce_eager=" in line:
+                flags.append(line.split("enforce_eager=", 1)[1].split(",", 1)[0].strip())
+    if not flags:
+        raise RuntimeError(f"no vLLM engine config line (enforce_eager=...) in {log_path}")
+    return all(flag == "False" for flag in flags)
 
 
 def scrape_metrics(base: str) -> dict:
