@@ -218,9 +218,10 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
 
 
 def engines_compiled(log_path: str) -> bool:
-    """Whether every engine of a server ran compiled, read from the config line each vLLM engine
-    core logs at start (``... with config: ... enforce_eager=False, ...``), not from the flags it
-    was started with. Raises ``RuntimeError`` naming the log when it holds no such line."""
+    """Whether a server's engines ran compiled: every engine config line in its log (``... with
+    config: ... enforce_eager=False, ...``, logged by vLLM's engine core at start) says so. Read
+    from the engine, not from the flags it was started with; ``RuntimeError`` naming the log when
+    it holds no such line."""
     flags = []
     with open(log_path, errors="replace") as log:
         for line in log:

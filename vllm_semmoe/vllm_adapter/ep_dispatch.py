@@ -330,7 +330,7 @@ class CollectiveMeter:
     def _reduce_scatterv(self, x, dim=-1, sizes=None, *args, **kwargs):
         if not sizes:
             return self._reduce_scatter(x)
-        return "reduce_scatter_bytes", self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
+        return "reduce_scatter_bytes", self._other_ranks_rows(x, dim, sizes)
 
     def _all_gather(self, x, *args, **kwargs):
         return "allgather_bytes", self.world * (self.world - 1) * _nbytes_any(x)
@@ -338,7 +338,12 @@ class CollectiveMeter:
     def _all_gatherv(self, x, dim=0, sizes=None, *args, **kwargs):
         if not sizes:
             return self._all_gather(x)
-        return "allgather_bytes", self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
+        return "allgather_bytes", self._other_ranks_rows(x, dim, sizes)
+
+    def _other_ranks_rows(self, x, dim: int, sizes) -> int:
+        """A v-collective's volume × ``world``: the rows along ``dim`` of every rank but this one
+        (``sizes[r]`` rows on rank ``r``)."""
+        return self.world * _row_bytes_any(x, dim) * (sum(sizes) - sizes[self.rank])
 
 
 def _nbytes_any(t) -> int:
