@@ -17,7 +17,8 @@ from vllm_semmoe.placement import PlacementError
 from vllm_semmoe.policy import POLICIES, get_policy
 from vllm_semmoe.synthetic import synthetic_trace
 from vllm_semmoe.tables import TablesError, build_tables, load_tables
-from vllm_semmoe.trace import TraceError, load_trace
+from vllm_semmoe.trace import TraceError
+from vllm_semmoe.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
 
 
@@ -91,6 +92,8 @@ def test_truncated_tables_npz(tables_dir):
     ("drop:ep_size", r"manifest\.json: missing field\(s\) ep_size"),
     ("set:ep_size=0", r"manifest\.json: field ep_size must be an integer >= 1, got 0"),
     ("set:mode=ep", r"manifest\.json: mode must be one of tp, dp, got 'ep'"),
+    ("set:ep_size=2", r"/tables\.npz: expert_device holds device ids 0\.\.3 \(EP 4\), \S+manifest\.json says "
+                      r"ep_size 2; re-create the directory with `semmoe solve`$"),
 ])
 def test_damaged_manifest(tables_dir, manifest, message):
     path = tables_dir / "manifest.json"
@@ -323,3 +326,95 @@ def test_serve_option_errors_are_one_line(argv, message):
 def test_demo_checks_ep_before_profiling(capsys):
     line = _cli_error(capsys, ["demo", "--ep", "3"])
     assert line == "semmoe: error: --ep 3 does not divide the 32 experts per layer evenly; choose one of 1, 2, 4, 8, 16, 32"
+
+
+# ---- count options: the sub-command's own usage error -----------------------------------------
+@pytest.mark.parametrize("argv, option, value", [
+    (["solve", "--trace", "t.npz", "--ep", "0", "--out", "t"], "--ep", "0"),
+    (["eval", "--profile", "t.npz", "--ep", "-2"], "--ep", "-2"),
+    (["cost", "--trace", "t.npz", "--ep", "0"], "--ep", "0"),
+    (["demo", "--ep", "0"], "--ep", "0"),
+    (["bench-ep", "--trace", "t.npz", "--ranks", "0"], "--ranks", "0"),
+    (["bench-serve", "--concurrency", "0"], "--concurrency", "0"),
+    (["import", "x.pt", "--out", "x.npz", "--num-experts", "x"], "--num-experts", "x"),
+])
+def test_count_option_below_one_is_the_sub_commands_error(capsys, argv, option, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: semmoe {argv[0]} "), err
+    assert err.splitlines()[-1] == (f"semmoe {argv[0]}: error: argument {option}: expected an integer >= 1, "
+                                    f"got '{value}'")
+
+
+def test_every_integer_option_is_range_checked():
+    """No sub-command takes a bare ``type=int``: counts and sizes go through one validator."""
+    bare = [f"semmoe {name} {action.option_strings[0]}" for name, parser in _subcommands().items()
+            for action in parser._actions if action.type is int]
+    assert bare == []
+
+
+# ---- semmoe report: inputs it cannot draw -------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_json(traces, tmp_path_factory):
+    """A real ``semmoe eval --json`` output (DP mode, so every figure field is present)."""
+    path = tmp_path_factory.mktemp("eval_json") / "eval.json"
+    assert main(["eval", "--profile", str(traces[32]), "--ep", "4", "--mode", "dp", "--method", "vanilla",
+                 "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("methods.vanilla.lar", "0.5", "field methods.vanilla.lar must be a number, got '0.5'"),
+    ("ep", 0, "field ep must be an integer >= 1, got 0"),
+    ("methods.vanilla.lar_per_layer", [0.5, "x"], "field methods.vanilla.lar_per_layer[1] must be a number, got 'x'"),
+    ("methods.vanilla.rank_load_curve.requests", [1], "field methods.vanilla.rank_load_curve.requests must be a list"),
+])
+def test_report_names_the_file_and_the_field_it_cannot_draw(capsys, eval_json, tmp_path, field, value, message):
+    data = json.loads(json.dumps(eval_json))
+    *parents, key = field.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    node[key] = value
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "eval.json"
+    path.write_text(json.dumps(data))
+    line = _cli_error(capsys, ["report", "--from", str(tmp_path / "in"), "--out", str(tmp_path / "r")])
+    assert line.startswith(f"semmoe: error: {path}: {message}") and "`semmoe eval --json`" in line, line
+
+
+def test_report_refuses_unreadable_json_naming_it(capsys, eval_json, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "eval.json").write_text(json.dumps(eval_json))
+    broken = tmp_path / "in" / "notes.json"
+    broken.write_text('{"methods": ')
+    line = _cli_error(capsys, ["report", "--from", str(tmp_path / "in"), "--out", str(tmp_path / "r")])
+    assert line.startswith(f"semmoe: error: {broken}: not readable JSON (") and "remove it from --from" in line
+    assert not (tmp_path / "r").exists()
+
+
+# ---- semmoe import: files that are not what it reads -------------------------------------------
+def test_import_says_what_a_refused_file_is_and_what_was_expected(capsys, tmp_path, traces):
+    import fractions
+    import pickle
+
+    import torch
+
+    (tmp_path / "notes.txt").write_text("hello\n")
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    (tmp_path / "plain.pkl").write_bytes(pickle.dumps({"records": []}, protocol=4))
+    torch.save({"records": [fractions.Fraction(1, 3)]}, tmp_path / "objects.pt")
+    cases = {"notes.txt": "not a readable torch.save file (a text file)",
+             "array.npy": "not a readable torch.save file (a NumPy .npy array)",
+             "plain.pkl": "not a readable torch.save file (a Python pickle)",
+             str(traces[32]): "not a readable torch.save file (a NumPy .npz archive)",
+             "objects.pt": "a torch.save file holding Python objects (fractions.Fraction) besides tensors"}
+    for name, what in cases.items():
+        path = tmp_path / name
+        line = _cli_error(capsys, ["import", str(path), "--out", str(tmp_path / "x.npz")])
+        assert line.startswith(f"semmoe: error: {path}: {what}"), line
+        assert line.endswith("; expected saved vLLM routed experts (vllm_semmoe.interop.save_vllm_routed_experts) "
+                             "or an SGLang per_token dump (expert_distribution_recorder_*.pt)"), line
+        assert "weights_only" not in line  # torch's advice to unpickle untrusted files is not repeated

@@ -16,7 +16,10 @@ bytes per token        ``semmoe bench-ep --json``                         ``meth
 modelled MoE time      ``semmoe cost --json``                             ``cost.<hw>.<method>.*_us``
 =====================  =================================================  ============================
 
-A figure whose input is absent is skipped, and the page says which and why. The page's one
+A figure whose input is absent is skipped, and the page says which and why. A ``*.json`` that is
+not readable JSON, and an input recognised by its keys whose fields a figure reads hold the wrong
+kind of value (a string where a number belongs, ``"ep": 0``), is a :class:`ReportError` naming the
+file and the field. ``semmoe eval --seeds`` output is drawn from the seeds' means. The page's one
 inline script marks the figure check (``#figure-check``): how many ``<img>`` decoded.
 """
 
@@ -26,6 +29,7 @@ import html
 import json
 import os
 import time
+from numbers import Real
 
 import numpy as np
 
@@ -65,9 +69,122 @@ def _is_cost(d) -> bool:
         for rows in cost.values())
 
 
+# ---- checking the fields the figures read ---------------------------------------------------
+_MISSING = object()
+
+
+class _Fields:
+    """Checks the fields of one input file that a figure reads; the first wrong one is a
+    :class:`ReportError` naming the file, the field and the command that writes the file."""
+
+    def __init__(self, path: str, writer: str):
+        self.path, self.writer = path, writer
+
+    def fail(self, field: str, want: str, value) -> None:
+        shown = repr(value)
+        shown = "nothing (missing)" if value is _MISSING else shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ReportError(f"{self.path}: field {field} must be {want}, got {shown}; re-create the file with "
+                          f"`{self.writer}` or remove it from --from")
+
+    def number(self, row: dict, key: str, field: str, required: bool = True, none_ok: bool = False) -> None:
+        value = row.get(key, _MISSING)
+        if value is _MISSING and not required:
+            return
+        if not ((value is None and none_ok) or (isinstance(value, Real) and not isinstance(value, bool))):
+            self.fail(field, "a number", value)
+
+    def numbers(self, value, field: str, length: int | None = None) -> None:
+        """A non-empty list of numbers (of ``length`` items when given)."""
+        if not isinstance(value, list) or not value or (length is not None and len(value) != length):
+            self.fail(field, "a non-empty list of numbers" if length is None else f"a list of {length} numbers", value)
+        for i, v in enumerate(value):
+            if not isinstance(v, Real) or isinstance(v, bool):
+                self.fail(f"{field}[{i}]", "a number", v)
+
+    def positive_int(self, row: dict, key: str, field: str) -> None:
+        value = row.get(key, _MISSING)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.fail(field, "an integer >= 1", value)
+
+
+def _seed_means(data: dict) -> dict:
+    """``semmoe eval --seeds`` JSON (every figure ``{"mean", "sd", "per_seed"}``) → the same
+    layout as one seed's, with each figure's mean (figures without a mean are left out)."""
+    if "seeds" not in data:
+        return data
+    rows = {name: {k: v["mean"] for k, v in row.items() if isinstance(v, dict) and "mean" in v}
+            for name, row in data["methods"].items()}
+    return dict(data, methods=rows)
+
+
+def _check_eval(path: str, data: dict) -> None:
+    from .modes import MODES
+
+    check = _Fields(path, "semmoe eval --json")
+    check.positive_int(data, "ep", "ep")
+    if data["mode"] not in MODES:
+        check.fail("mode", f"one of {', '.join(MODES)}", data["mode"])
+    for name, row in data["methods"].items():
+        where = f"methods.{name}"
+        check.number(row, "lar", f"{where}.lar")
+        check.number(row, "oracle_lar", f"{where}.oracle_lar")
+        if "lar_per_layer" in row:
+            check.numbers(row["lar_per_layer"], f"{where}.lar_per_layer")
+        if "rank_load_curve" in row:
+            curve = row["rank_load_curve"]
+            if not isinstance(curve, dict) or not isinstance(curve.get("tokens"), list) or not curve["tokens"]:
+                check.fail(f"{where}.rank_load_curve", "{\"requests\": [P], \"tokens\": [P][ranks]}", curve)
+            ranks = curve["tokens"][0] if isinstance(curve["tokens"][0], list) else []
+            for i, step in enumerate(curve["tokens"]):
+                check.numbers(step, f"{where}.rank_load_curve.tokens[{i}]", len(ranks) or None)
+            check.numbers(curve.get("requests", _MISSING), f"{where}.rank_load_curve.requests", len(curve["tokens"]))
+
+
+def _check_analyze(path: str, data: dict, prefix: str = "") -> None:
+    check = _Fields(path, "semmoe analyze --json")
+    for i, row in enumerate(data["layers"]):
+        where = f"{prefix}layers[{i}]"
+        if not isinstance(row, dict):
+            check.fail(where, "an object", row)
+        check.number(row, "layer", f"{where}.layer")
+        for key in ("f1", "topk_mass"):
+            check.numbers(row.get(key, _MISSING), f"{where}.{key}", 3)
+    shape = data.get("shape")
+    if shape:
+        if not isinstance(shape, dict):
+            check.fail(f"{prefix}shape", "an object", shape)
+        check.positive_int(shape, "top_k", f"{prefix}shape.top_k")
+        check.positive_int(shape, "experts", f"{prefix}shape.experts")
+
+
+def _check_bench_ep(path: str, data: dict) -> None:
+    check = _Fields(path, "semmoe bench-ep --json")
+    for name, row in data["methods"].items():
+        check.number(row, "bytes_per_token", f"methods.{name}.bytes_per_token")
+
+
+def _check_bench_serve(path: str, data: dict, prefix: str = "") -> None:
+    check = _Fields(path, "semmoe bench-serve --json")
+    check.numbers(data["rank_prompt_tokens"], f"{prefix}rank_prompt_tokens")
+    check.number(data, "rank_imbalance", f"{prefix}rank_imbalance")
+    check.number(data, "live_lar", f"{prefix}live_lar", required=False, none_ok=True)
+    check.number(data, "moe_bytes_per_token", f"{prefix}moe_bytes_per_token", required=False, none_ok=True)
+
+
+def _check_cost(path: str, data: dict) -> None:
+    check = _Fields(path, "semmoe cost --json")
+    for hw, rows in data["cost"].items():
+        for name, row in rows.items():
+            for key in ("total_us", *COST_PARTS):
+                check.number(row, key, f"cost.{hw}.{name}.{key}", required=key == "total_us")
+
+
 def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
     """``{"eval": [(name, data)], "analyze": [...], "bench_ep": [...], "bench_serve": [...],
-    "cost": [...], "tables": [(name, path)]}`` found under ``from_dir`` (sorted by path)."""
+    "cost": [...], "tables": [(name, path)]}`` found under ``from_dir`` (sorted by path).
+
+    A ``*.json`` that is not JSON, or an input of a known kind with a wrong field, is a
+    :class:`ReportError` naming the file (and the field); JSON of other tools is passed over."""
     if not os.path.isdir(from_dir):
         raise ReportError(f"--from {from_dir}: not a directory")
     found = {k: [] for k in ("eval", "analyze", "bench_ep", "bench_serve", "cost", "tables")}
@@ -84,24 +201,37 @@ def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
             path = os.path.join(root, name)
             label = os.path.normpath(os.path.join(rel, name))
             try:
-                with open(path) as f:
+                with open(path, encoding="utf-8") as f:
                     data = json.load(f)
-            except (OSError, ValueError):
-                continue  # not ours / not JSON: nothing to draw
+            except OSError as exc:
+                raise ReportError(f"{path}: cannot be read ({exc.strerror}); fix its permissions or remove it "
+                                  "from --from") from None
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                raise ReportError(f"{path}: not readable JSON ({exc}); repair or remove it from --from") from None
             if _is_eval(data):
+                data = _seed_means(data)
+                _check_eval(path, data)
                 found["eval"].append((label, data))
             elif _is_analyze(data):
+                _check_analyze(path, data)
                 found["analyze"].append((label, data))
             elif isinstance(data, dict) and data and all(_is_analyze(v) for v in data.values()):
+                for k, v in data.items():
+                    _check_analyze(path, v, prefix=f"{k}.")
                 found["analyze"] += [(f"{label}: {os.path.basename(k)}", v) for k, v in data.items()]
             elif _is_cost(data):
+                _check_cost(path, data)
                 found["cost"].append((label, data))
             elif _is_bench_ep(data):
+                _check_bench_ep(path, data)
                 found["bench_ep"].append((label, data))
             elif _is_bench_serve(data):
+                _check_bench_serve(path, data)
                 found["bench_serve"].append((label, data))
             elif isinstance(data, dict) and isinstance(data.get("runs"), dict) and data["runs"] \
                     and all(_is_bench_serve(r) for r in data["runs"].values()):  # bench-serve, several policies
+                for policy, r in data["runs"].items():
+                    _check_bench_serve(path, r, prefix=f"runs.{policy}.")
                 found["bench_serve"] += [(f"{label}: {policy}", r) for policy, r in data["runs"].items()]
     return found
 
@@ -116,27 +246,35 @@ def _plt():
     return plt
 
 
+def _legend_outside(fig, ax=None, **kwargs):
+    """A legend beside the plots (right of them), never over data: the figure's, with
+    ``ax``'s handles when given (constrained layout makes room for it)."""
+    handles, labels = (ax or fig.axes[0]).get_legend_handles_labels()
+    return fig.legend(handles, labels, loc="outside right upper", fontsize=8, **kwargs)
+
+
 def figure_lar_per_layer(data: dict):
     """Lines: LAR of every method at every MoE layer (``lar_per_layer`` ``[L]`` per method)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4), layout="constrained")
     for name, row in data["methods"].items():
         values = row["lar_per_layer"]
         ax.plot(np.arange(len(values)), values, marker="o", ms=3, label=f"{name} ({row['lar']:.3f})")
     ax.axhline(1.0 / data["ep"], color="grey", ls=":", lw=1, label=f"1/EP = {1.0 / data['ep']:.3f}")
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("local activation rate")
-    ax.set_title(f"LAR per layer, EP {data['ep']}, {data['mode'].upper()} mode ({data.get('eval_tokens', '?')} tokens)")
+    seeds = f"mean of {len(data['seeds'])} seeds" if "seeds" in data else f"{data.get('eval_tokens', '?')} tokens"
+    ax.set_title(f"LAR per layer, EP {data['ep']}, {data['mode'].upper()} mode ({seeds})")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    _legend_outside(fig, ax, title="method (mean LAR)")
     return fig
 
 
 def figure_affinity(reports: list[tuple[str, dict]]):
     """Per layer, median (p25-p75 band) of F1 top-k and top-k mass over frequent tokens."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True, layout="constrained")
     for label, r in reports:
         layers = [row["layer"] for row in r["layers"]]
         for ax, key in zip(axes, ("f1", "topk_mass")):
@@ -149,14 +287,14 @@ def figure_affinity(reports: list[tuple[str, dict]]):
                 ax.axhline(shape["top_k"] / shape["experts"], color=line.get_color(), ls=":", lw=1)
     axes[0].set_title("F1 of a token's usual top-k (leave-one-out)")
     axes[1].set_title("share of a token's routing on its top-k")
+    axes[0].set_ylabel("F1 (median; band p25-p75)")
+    axes[1].set_ylabel("top-k share (median; band p25-p75)")
     for ax in axes:
         ax.set_xlabel("MoE layer")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("median over frequent tokens (band: p25-p75)")
-    axes[1].legend(fontsize=8)
-    fig.suptitle("token→expert affinity per layer (dotted: no-affinity level k/N)", fontsize=10)
-    fig.tight_layout()
+    _legend_outside(fig, axes[0], title="trace")
+    fig.suptitle("token→expert affinity per layer over frequent tokens (dotted: no-affinity level k/N)", fontsize=10)
     return fig
 
 
@@ -169,7 +307,7 @@ def figure_placement(expert_device: np.ndarray, title: str):
     E = int(expert_device.max()) + 1
     base = plt.get_cmap("tab20" if E > 10 else "tab10")
     cmap = ListedColormap([base(i % base.N) for i in range(E)])
-    fig, ax = plt.subplots(figsize=(min(14, 3 + N * 0.12), min(8, 1.5 + L * 0.2)))
+    fig, ax = plt.subplots(figsize=(min(14, 3 + N * 0.12), min(8, 1.5 + L * 0.2)), layout="constrained")
     im = ax.imshow(expert_device, aspect="auto", interpolation="nearest", cmap=cmap,
                    norm=BoundaryNorm(np.arange(E + 1) - 0.5, E))
     ax.set_xlabel("logical expert")
@@ -177,41 +315,47 @@ def figure_placement(expert_device: np.ndarray, title: str):
     ax.set_title(title)
     cbar = fig.colorbar(im, ax=ax, ticks=np.arange(E))
     cbar.set_label("device")
-    fig.tight_layout()
     return fig
 
 
+def _rank_style(rank: int, ranks: int, plt) -> dict:
+    """Colour and line style of one DP rank, the same in every panel (distinct for up to 80 ranks)."""
+    cmap = plt.get_cmap("tab10" if ranks <= 10 else "tab20")
+    return {"color": cmap(rank % cmap.N), "ls": ("-", "--", ":", "-.")[(rank // cmap.N) % 4]}
+
+
 def figure_rank_load(curves: dict, ep: int, title: str):
-    """Cumulative prompt tokens per DP rank over the requests, one panel per method."""
+    """Cumulative prompt tokens per DP rank over the requests, one panel per method; one legend
+    names the ranks (each rank has the same line in every panel)."""
     plt = _plt()
     cols = min(3, len(curves))
     rows = -(-len(curves) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows + 0.5), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 1.2, 3.0 * rows + 0.5), sharey=True, squeeze=False,
+                             layout="constrained")
     for ax in axes.flat[len(curves):]:
         ax.set_visible(False)
     for ax, (name, curve) in zip(axes.flat, curves.items()):
         tokens = np.asarray(curve["tokens"], float)  # [P, E]
         for r in range(tokens.shape[1]):
-            ax.plot(curve["requests"], tokens[:, r], lw=1)
+            ax.plot(curve["requests"], tokens[:, r], lw=1, label=f"rank {r}", **_rank_style(r, tokens.shape[1], plt))
         spread = tokens[-1].max() / max(tokens[-1].mean(), 1e-9)
         ax.set_title(f"{name}: max/mean {spread:.3f}", fontsize=9)
         ax.set_xlabel("requests routed")
+        ax.set_ylabel("prompt tokens per rank")
         ax.grid(alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel(f"prompt tokens per rank ({ep} ranks)")
+    _legend_outside(fig, axes.flat[0], title=f"DP rank ({ep} ranks)", ncol=-(-ep // 16))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     return fig
 
 
 def figure_bench_serve(runs: list[tuple[str, dict]]):
     """Prompt tokens each DP rank served, per bench-serve run."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5 + 0.25 * len(runs)), layout="constrained")
     width = 0.8 / len(runs)
-    for i, (label, r) in enumerate(runs):
+    for i, (_, r) in enumerate(runs):
         x = np.arange(len(r["rank_prompt_tokens"])) + i * width
-        moe = f", MoE {r['moe_bytes_per_token']:.0f} B/token" if "moe_bytes_per_token" in r else ""
+        moe = f", MoE {r['moe_bytes_per_token']:.0f} B/token" if r.get("moe_bytes_per_token") is not None else ""
         lar = "-" if r.get("live_lar") is None else f"{r['live_lar']:.3f}"
         ax.bar(x, r["rank_prompt_tokens"], width, label=f"{r['policy']} (max/mean {r['rank_imbalance']:.3f}, "
                                                         f"live LAR {lar}{moe})")
@@ -220,16 +364,16 @@ def figure_bench_serve(runs: list[tuple[str, dict]]):
     ax.set_xlabel("DP rank")
     ax.set_ylabel("prompt tokens served")
     ax.set_title("bench-serve: DP per-rank load")
-    ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", fontsize=8)  # long labels: below, full width
     return fig
 
 
 def figure_bytes(runs: list[tuple[str, dict]]):
     """All-to-all bytes per token per method (bench-ep, and bench-serve when it reports them)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5), layout="constrained")
     labels, values = [], []
     for label, r in runs:
         for name, row in r["methods"].items():
@@ -241,7 +385,6 @@ def figure_bytes(runs: list[tuple[str, dict]]):
     ax.set_ylabel("KiB per token (dispatch + combine)")
     ax.set_title("bench-ep: all-to-all bytes per token")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     return fig
 
 
@@ -249,35 +392,37 @@ COST_PARTS = ("dispatch_us", "experts_us", "combine_us")
 
 
 def figure_cost(data: dict):
-    """Modelled MoE time per token, stacked dispatch / experts / combine, per hardware and method."""
+    """Modelled MoE time per token, stacked dispatch / experts / combine, per hardware and method;
+    one legend for the parts, beside the panels."""
     plt = _plt()
     cost = data["cost"]
-    fig, axes = plt.subplots(1, len(cost), figsize=(4.2 * len(cost), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(cost), figsize=(4.2 * len(cost) + 1.2, 3.6), squeeze=False, layout="constrained")
     for ax, (hw, rows) in zip(axes[0], cost.items()):
         names = list(rows)
         bottom = np.zeros(len(names))
-        for part in COST_PARTS:
+        for i, part in enumerate(COST_PARTS):
             vals = np.array([rows[m].get(part, 0.0) for m in names], float)
-            ax.bar(names, vals, bottom=bottom, label=part.removesuffix("_us"))
+            ax.bar(names, vals, bottom=bottom, color=f"C{i}", label=part.removesuffix("_us"))
             bottom += vals
         ax.set_title(hw, fontsize=9)
+        ax.set_ylabel("µs per token (all MoE layers)")
         ax.tick_params(axis="x", labelsize=7, rotation=30)
         ax.grid(alpha=0.3, axis="y")
-    axes[0][0].set_ylabel("µs per token (all MoE layers)")
-    axes[0][0].legend(fontsize=7, loc="lower left")
+    _legend_outside(fig, axes[0][0], title="part")
     fig.suptitle(f"cost model: EP {data.get('ep', '?')}, {str(data.get('mode', '')).upper()} mode", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
 # ---- tables --------------------------------------------------------------------------------
 def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}") -> str:
-    """``{row name: {column: value}}`` → an HTML table (numbers formatted, lists left out)."""
+    """``{row name: {column: value}}`` → an HTML table (numbers formatted, lists left out). Column
+    names may break after each ``_`` so a wide table wraps its header instead of widening the page;
+    a table wider than the page still scrolls inside its own box (``div.table``)."""
     if columns is None:
         columns = []
         for row in rows.values():
             columns += [c for c, v in row.items() if isinstance(v, (int, float)) and c not in columns]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in columns)
     body = []
     for name, row in rows.items():
         cells = []
@@ -286,7 +431,7 @@ def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}"
             cells.append("<td>-</td>" if v is None else
                          f"<td>{fmt.format(v) if isinstance(v, float) else html.escape(str(v))}</td>")
         body.append(f"<tr><th>{html.escape(str(name))}</th>{''.join(cells)}</tr>")
-    return f"<table><tr><th></th>{head}</tr>{''.join(body)}</table>"
+    return f"<div class=\"table\"><table><tr><th></th>{head}</tr>{''.join(body)}</table></div>"
 
 
 # ---- page ----------------------------------------------------------------------------------
@@ -299,7 +444,8 @@ def _slug(label: str) -> str:
 _STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:.85em;color:#555}
-table{border-collapse:collapse;font-size:.8em;margin:.5em 0}td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}
+.table{max-width:100%;overflow-x:auto}table{border-collapse:collapse;font-size:.75em;margin:.5em 0}
+td,th{border:1px solid #ddd;padding:2px 4px;text-align:right}
 .skipped{color:#a60}#figure-check{font-size:.85em;color:#555}"""
 
 _CHECK = """<script>
@@ -378,8 +524,9 @@ def build_report(from_dir: str, out_dir: str) -> dict:
     for label, data in found["eval"]:
         curves = {m: r["rank_load_curve"] for m, r in data["methods"].items() if "rank_load_curve" in r}
         if data["mode"] == "dp" and curves:
-            part.append(save(figure_rank_load(curves, data["ep"], f"DP per-rank load over time (eval, EP {data['ep']})"),
-                             f"dp_rank_load_{_slug(label)}.png", "DP per-rank prompt tokens over the evaluation", label))
+            fig = figure_rank_load(curves, data["ep"], f"DP per-rank load over time (eval, EP {data['ep']})")
+            part.append(save(fig, f"dp_rank_load_{_slug(label)}.png", "DP per-rank prompt tokens over the evaluation",
+                             label))
     if found["bench_serve"]:
         part.append(save(figure_bench_serve(found["bench_serve"]), "bench_serve_rank_load.png",
                          "bench-serve: prompt tokens per DP rank", ", ".join(lb for lb, _ in found["bench_serve"])))
@@ -398,7 +545,8 @@ def build_report(from_dir: str, out_dir: str) -> dict:
     # cost model
     part = []
     for label, data in found["cost"]:
-        part.append(save(figure_cost(data), f"cost_model_{_slug(label)}.png", "modelled MoE-layer time per token", label))
+        part.append(save(figure_cost(data), f"cost_model_{_slug(label)}.png", "modelled MoE-layer time per token",
+                         label))
         for hw, rows in data["cost"].items():
             part.append(f"<p><b>{html.escape(hw)}</b> (µs per token)</p>" + html_table(rows, fmt="{:.3f}"))
     sections.append(("Cost model", part or [skip("no `semmoe cost --json` output")]))

@@ -202,11 +202,16 @@ def load_tables(directory: str | os.PathLike, *, num_layers: int | None = None,
     if arrays["expert_device"].ndim != 2 or not np.issubdtype(arrays["expert_device"].dtype, np.integer):
         raise TablesError(f"{os.path.join(directory, ARRAYS)}: expert_device must be an integer [L, N] array, got "
                           f"{arrays['expert_device'].dtype} {arrays['expert_device'].shape}; {_RESOLVE}")
+    e2d = arrays["expert_device"]
+    if e2d.size and e2d.min() >= 0 and int(e2d.max()) + 1 != manifest["ep_size"]:
+        raise TablesError(f"{os.path.join(directory, ARRAYS)}: expert_device holds device ids 0..{int(e2d.max())} "
+                          f"(EP {int(e2d.max()) + 1}), {os.path.join(directory, MANIFEST)} says ep_size "
+                          f"{manifest['ep_size']}; {_RESOLVE}")
     try:
-        placement = Placement(arrays["expert_device"], manifest["ep_size"], manifest["method"],
+        placement = Placement(e2d, manifest["ep_size"], manifest["method"],
                               arrays["replicas"] if manifest.get("redundant", 0) else None)
     except PlacementError as exc:
-        raise TablesError(f"{os.path.join(directory, ARRAYS)}: expert_device: {exc}; {_RESOLVE}") from None
+        raise TablesError(f"{os.path.join(directory, ARRAYS)}: {exc}; {_RESOLVE}") from None
     L, E = placement.num_layers, placement.ep_size
     arrays_path = os.path.join(directory, ARRAYS)
     if (L, placement.num_experts) != (manifest["num_layers"], manifest["num_experts"]):
@@ -333,7 +338,7 @@ def build_tables(profile: RoutingTrace, placement: Placement, *, mode: str = Ser
             f"placement is for {placement.num_layers}x{placement.num_experts} experts, "
             f"trace has {profile.num_layers}x{profile.num_experts}"
         )
-    E, K = placement.ep_size, profile.top_k
+    K = profile.top_k
     token_ids, counts = token_expert_counts(profile)  # [L, J, N]
     dev_counts = placement_device_counts(profile.experts, placement)  # [T, L, E]
     # the layer prior: share of all activations local on each device (sums to 1 when R = 0)

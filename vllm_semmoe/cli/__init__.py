@@ -54,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
             return passthrough[argv[0]](argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "ep", None) is not None and args.ep < 1:
-        parser.error(f"--ep must be >= 1, got {args.ep}")
     try:
         return args.func(args)
     except (TraceError, TablesError, PlacementError, SemMoEConfigError, FileNotFoundError, ValueError) as exc:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 
-from .output import add_json_argument, write_json
+from .output import add_json_argument, non_negative_int, positive_int, write_json
 
 
 def cmd_import(args) -> int:
@@ -89,9 +89,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--format", choices=("auto", "vllm", "sglang"), default="auto",
                    help="what the files are (default: detected from their content)")
     p.add_argument("--out", required=True, help="routing trace .npz to write")
-    p.add_argument("--num-experts", type=int, default=None,
+    p.add_argument("--num-experts", type=positive_int, default=None,
                    help="routed experts per layer (default: SGLang's map, or vLLM's largest id + 1)")
-    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size (default: largest id + 1)")
+    p.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="tokenizer vocabulary size (default: largest id + 1)")
     p.add_argument("--prefill-only", action="store_true", help="SGLang: skip decode passes")
     add_json_argument(p, "the import summary")
     p.set_defaults(func=cmd_import)
@@ -100,7 +101,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--tables", required=True, help="tables directory written by `semmoe solve`")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="layout to write")
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--dense-layers", type=int, default=0,
+    p.add_argument("--dense-layers", type=non_negative_int, default=0,
                    help="SGLang: leading model layers without experts (DeepSeek's first_k_dense_replace, "
                         "1 for DeepSeek-V2-Lite); they get the identity row")
     add_json_argument(p, "the export summary")

@@ -41,7 +41,7 @@ def add_redundant_argument(parser, several: bool = False) -> None:
         parser.add_argument("--redundant", type=_int_list, default=[0], metavar="R[,R...]",
                             help=help + "; comma-separated: the replicating methods run once per value")
     else:
-        parser.add_argument("--redundant", type=int, default=0, metavar="R", help=help)
+        parser.add_argument("--redundant", type=non_negative_int, default=0, metavar="R", help=help)
 
 
 def add_sample_argument(parser) -> None:
@@ -54,14 +54,34 @@ def add_sample_argument(parser) -> None:
                              "or steps spread evenly over the whole stream (spread)")
 
 
-def _int_list(text: str) -> list[int]:
-    import argparse
+def int_at_least(minimum: int):
+    """An argparse ``type=`` accepting integers ``>= minimum``; anything else is the sub-command's
+    own usage error (``semmoe solve: error: argument --ep: expected an integer >= 1, got '0'``)."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+#: ``type=`` of every count or size option (``--ep``, ``--batch-tokens``, ``--num-prompts``, ...).
+positive_int = int_at_least(1)
+#: ``type=`` of options where 0 is meaningful (``--seed``, ``--skip``, ``--dense-layers``, ``--redundant``).
+non_negative_int = int_at_least(0)
+
+
+def _int_list(text: str) -> list[int]:
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
+        values = [non_negative_int(part) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError:
         values = []
-    if not values or min(values) < 0:
+    if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return values
 
