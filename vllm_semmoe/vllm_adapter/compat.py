@@ -122,6 +122,11 @@ INTERNALS: tuple[Internal, ...] = (
              why="this rank's experts on its own and received rows"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.global_num_experts",
              "attribute", why="expert count"),
+    Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.forward_monolithic", "function",
+             ("self", "x", "router_logits"), needed_by="dp",
+             why="a layer whose first forward is monolithic is reported unmetered"),
+    Internal(_MOE_RUNNER, "MoERunner.do_naive_dispatch_combine", "attribute", needed_by="dp",
+             why="names the runner's own all-gather when a layer has no prepare/finalize stage (unmetered)"),
     # exact re-placement (replacement.py): ids mapped after top-k, per-expert loads re-placed
     Internal(_BASE_ROUTER, "BaseRouter._apply_eplb_mapping", "function", ("self", "topk_ids"),
              why="placement: followed by logical -> physical ids on every MoE layer"),
@@ -173,6 +178,10 @@ INTERNALS: tuple[Internal, ...] = (
              why="requests in the step"),
     Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_prompt_tokens", "attribute", needed_by="capture",
              why="prompt length (prefill/decode marking)"),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.token_ids_cpu", "attribute", needed_by="capture",
+             why="token ids of the positions a step skips (prefix-cache hits), recorded as not routed"),
+    Internal(_RUNNER, "GPUModelRunner.requests", "attribute", needed_by="capture",
+             why="the requests the engine still holds (the capture's coverage records of others are dropped)"),
     Internal("vllm.forward_context", "get_forward_context", "function", (),
              why="the per-step context the plugin's ops read the engine state from"),
     Internal("vllm.forward_context", "is_forward_context_available", "function", (),
@@ -508,6 +517,23 @@ def dp_rows_offset(dp_rank: int, rows: int) -> int:
     if sum(sizes) != rows:  # not gathered
         return 0
     return int(sum(sizes[:dp_rank]))
+
+
+def request_token_ids(runner, row: int, start: int, end: int):
+    """``[end - start]`` token ids at positions ``start:end`` of the request in row ``row`` of the
+    step's batch (prompt, then generated tokens)."""
+    return runner.input_batch.token_ids_cpu[row, start:end].copy()
+
+
+def live_request_ids(runner):
+    """The ids of every request the model runner still holds (running or preempted), a container."""
+    return runner.requests
+
+
+def runner_dispatches_itself(runner) -> bool:
+    """Whether vLLM's MoE runner all-gathers the tokens itself (its naive dispatch / combine,
+    for kernels without a modular prepare/finalize stage)."""
+    return bool(getattr(runner, "do_naive_dispatch_combine", False))
 
 
 def step_batch(runner):

@@ -35,7 +35,7 @@ class SemMoEConfig:
         tables: directory written by ``semmoe solve`` (``None``: no re-placement).
         capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
             every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
-            :func:`vllm_semmoe.trace.load_trace` reads it as one trace.
+            :func:`vllm_semmoe.capture_store.load_trace` reads it as one trace.
         mode: :data:`PLACEMENT_ONLY` (apply the placement), or a :class:`~vllm_semmoe.modes.ServingMode`
             (``tp``, ``dp``: also schedule data the Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode

@@ -16,8 +16,12 @@ the received ones; ``finalize`` returns the received rows' partial sums to their
 adds them to the local ones. The layer's result is the same sum of the same expert outputs.
 :func:`install_sparse_dispatch` puts it in the MoE layers of one engine;
 :func:`install_dispatch_meter` instead counts what vLLM's own stage moves, changing nothing,
-so stock vLLM is measured by the same counters. On any other backend the layer is left as it
-is (those kernels already send each token only where its experts are).
+so stock vLLM is measured by the same counters. A layer that moves its tokens any other way (an
+all-to-all backend's stage such as DeepEP's, vLLM's MoE runner all-gathering the tokens itself
+for a kernel without a prepare/finalize stage, a monolithic kernel) is left as it is and is
+*unmetered*: its bytes are not counted, which the engine reports (a warning at start,
+``vllm:semmoe_unmetered_moe_layers_total``, the live counters, ``bench-serve``'s JSON and
+``semmoe serve``'s exit status; :func:`unmetered_reason`), so that no figure reads as 0 bytes.
 
 Counted per rank, from the tensors handed to the collectives ("bytes this rank sends to
 other ranks"), in the engine's :class:`~.state.SemMoEState` counters:
@@ -114,7 +118,7 @@ def install_sparse_dispatch(runner, counters_of) -> None:
     exchange adds its counts to (the engine's counters while it serves, a scratch dict during
     warm-up).
     """
-    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of))
+    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of), sparse=True)
     compat.use_opaque_moe_op(runner)  # the exchange's sizes vary per step: keep it out of compiled graphs
 
 
@@ -125,23 +129,64 @@ def install_dispatch_meter(runner, counters_of) -> None:
     compat.use_opaque_moe_op(runner)
 
 
-def _on_first_forward(runner, replace) -> None:
+def _on_first_forward(runner, replace, sparse: bool = False) -> None:
     """At the first forward of ``runner``'s routed experts, swap its kernel's prepare/finalize
-    stage for ``replace(stage)`` when vLLM uses the all-gather stage; otherwise keep vLLM's."""
+    stage for ``replace(stage)`` when vLLM uses the all-gather stage; otherwise keep vLLM's way
+    and report the layer unmetered (``sparse``: the sparse dispatch was asked for)."""
     experts = runner.routed_experts
-    original = experts.forward_modular
+    original_modular, original_monolithic = experts.forward_modular, experts.forward_monolithic
+
+    def decided() -> None:  # once: the class methods again from now on
+        for name in ("forward_modular", "forward_monolithic"):
+            experts.__dict__.pop(name, None)
 
     def forward_modular(*args, **kwargs):
-        del experts.forward_modular  # once: the class method again from now on
+        decided()
         stage = compat.prepare_finalize(experts)
         if compat.is_allgather_stage(stage):
             compat.set_prepare_finalize(experts, replace(stage))
         else:
-            logger.info("semmoe: MoE layer %s dispatches with %s, left as it is (it sends tokens only "
-                        "where their experts are)", getattr(runner, "layer_name", "?"), type(stage).__name__)
-        return original(*args, **kwargs)
+            report_unmetered(runner, unmetered_reason(
+                getattr(runner, "layer_name", "?"), None if stage is None else type(stage).__name__,
+                runner_all_gathers=compat.runner_dispatches_itself(runner), sparse=sparse))
+        return original_modular(*args, **kwargs)
 
-    experts.forward_modular = forward_modular
+    def forward_monolithic(*args, **kwargs):
+        decided()
+        report_unmetered(runner, unmetered_reason(getattr(runner, "layer_name", "?"), None, monolithic=True,
+                                                  sparse=sparse))
+        return original_monolithic(*args, **kwargs)
+
+    experts.forward_modular, experts.forward_monolithic = forward_modular, forward_monolithic
+
+
+def unmetered_reason(layer: str, stage: str | None, *, runner_all_gathers: bool = False, monolithic: bool = False,
+                     sparse: bool = False) -> str:
+    """Why MoE layer ``layer``'s token exchange is not metered: its prepare/finalize stage is
+    ``stage`` (a class name; ``None``: it has none), not vLLM's all-gather stage the meter and
+    the sparse dispatch replace."""
+    if monolithic:
+        how = "runs a monolithic kernel (routing and token exchange inside one kernel)"
+    elif stage is None:
+        how = "has no prepare/finalize stage" + (
+            "; vLLM's MoE runner all-gathers every token to every rank itself" if runner_all_gathers else "")
+    else:
+        how = f"moves tokens with {stage}, not vLLM's all-gather stage"
+    return (f"MoE layer {layer} {how}: semmoe does not meter it, so the MoE bytes of this engine are not counted "
+            f"(reported as unmetered){'; the sparse dispatch is not installed there either' if sparse else ''}")
+
+
+def report_unmetered(runner, reason: str) -> None:
+    """Report ``runner``'s MoE layer unmetered: a warning (once per engine), the engine state's
+    failures, ``/metrics``, ``semmoe serve``'s exit status (:func:`.metrics.report_failure`)."""
+    from .metrics import report_failure
+    from .state import state_of
+
+    state = state_of(runner)
+    if state is None or "unmetered" not in state.failures:
+        logger.warning("semmoe: %s", reason)
+    report_failure("unmetered", state.parallel[2] if state is not None else 0, reason,
+                   state.failures if state is not None else None)
 
 
 class SparsePrepareAndFinalize:

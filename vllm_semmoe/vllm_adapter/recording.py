@@ -30,13 +30,14 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
     recorder = RoutingRecorder(
         num_layers=len(runners),
         num_experts=int(runners[0].routed_experts.moe_config.num_logical_experts),
-        top_k=int(getattr(hf, "num_experts_per_tok")),
+        top_k=int(hf.num_experts_per_tok),
         placement=tables.placement if tables is not None else None,
         token_device=state.token_device,
         vocab=_vocab(model_config),
         vocab_size=int(model_config.get_vocab_size()),
     )
     dp_rank = state.parallel[2]
+    recorder.on_failure = functools.partial(report_engine_failure, state, dp_rank)
     for index, runner in enumerate(runners):
         runner.router.set_capture_fn(functools.partial(_capture_hook, recorder, dp_rank, index))
         # the router (and its hook) must run on every step, also in a compiled model
@@ -49,7 +50,7 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
         recorder.live_counters = LiveCounters(
             live_counters_path(config.capture, parallel, compat.tp_rank()), parallel.data_parallel_rank,
             parallel.data_parallel_size, tables.placement.num_physical_experts, tables.ep_size, traffic=state.counters,
-            tp_rank=compat.tp_rank())
+            tp_rank=compat.tp_rank(), failures=state.failures)
     if tables is not None:
         from .capture import ReplayMeter
 
@@ -59,6 +60,14 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
         recorder.open_store(config.capture, dp_rank=parallel.data_parallel_rank,
                             dp_size=parallel.data_parallel_size)
     return recorder
+
+
+def report_engine_failure(state: SemMoEState, dp_rank: int, kind: str, reason: str) -> None:
+    """Report a failure of the engine's capture machinery (:func:`.metrics.report_failure`), kept in
+    ``state.failures``."""
+    from .metrics import report_failure
+
+    report_failure(kind, dp_rank, reason, state.failures)
 
 
 def _capture_hook(recorder, dp_rank: int, layer: int, topk_ids) -> None:
@@ -81,19 +90,21 @@ def _vocab(model_config) -> list[str]:
 
 
 def begin_step(runner, state: SemMoEState, input_ids, positions) -> None:
-    """Open the step: the recorder's rows (requests, tokens, positions) and the TP-shuffle
-    step context."""
+    """Open the step: the recorder's rows (requests, tokens, positions, and the positions the step
+    skips, for the capture's coverage) and the TP-shuffle step context."""
     import torch
 
     req_ids, num_prompt, bounds = compat.step_batch(runner)
     n = int(bounds[-1])
+    live = compat.live_request_ids(runner)
     if input_ids is None or n == 0:
-        state.recorder.begin_forward(req_ids, num_prompt, bounds, None, None)
+        state.recorder.begin_forward(req_ids, num_prompt, bounds, None, None, live=live)
         state.begin_step(None)
         return
     tokens = input_ids[:n].detach().to("cpu", torch.int64).numpy().copy()
     pos = positions[:n].detach().to("cpu", torch.int64).numpy().copy()
-    state.recorder.begin_forward(req_ids, num_prompt, bounds, tokens, pos)
+    state.recorder.begin_forward(req_ids, num_prompt, bounds, tokens, pos,
+                                 token_ids=functools.partial(compat.request_token_ids, runner), live=live)
     state.begin_step(tokens)
 
 
@@ -127,28 +138,35 @@ def flush_capture(runner_or_worker) -> dict:
 
 
 def flush_state(state: SemMoEState) -> dict:
-    """Write ``state``'s capture and return its summary (steps, live LAR, TP-shuffle counters)."""
+    """Write ``state``'s capture summary and return it: steps, coverage (tokens of the engine's
+    requests with and without routing), live LAR, TP-shuffle and MoE exchange counters, and the
+    plugin's failures in this engine (``failures``, when any)."""
     recorder, config = state.recorder, state.config
     if recorder is None or recorder.num_steps == 0:
         return {}
     recorder.drain()
     tp_size, dp_size, dp_rank, _ = state.parallel
-    summary = {"steps": recorder.num_steps, "dp_rank": dp_rank}
+    summary = {"steps": recorder.num_steps, "dp_rank": dp_rank, "coverage": recorder.coverage()}
+    if state.failures:
+        summary["failures"] = dict(state.failures)
     if state.counters["layers_run"] and state.shuffles:
         summary["tp_shuffle"] = dict(state.counters)
     if state.dispatch is not None or state.tp_meter is not None:
         summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
     if recorder.meter is not None:
         summary["replayed"] = recorder.meter.result()
-    if recorder.store is not None:
+    if recorder.writes_capture:
         from types import SimpleNamespace
 
         path = dp_capture_path(config.capture, SimpleNamespace(data_parallel_size=dp_size,
                                                                data_parallel_rank=dp_rank)) + ".json"
-        with open(path + ".tmp", "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(path + ".tmp", path)
-        summary["path"] = config.capture
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(summary, f, indent=2)
+            os.replace(path + ".tmp", path)
+            summary["path"] = config.capture
+        except OSError as exc:  # after a capture error, often the same cause
+            logger.error("semmoe: could not write the capture summary %s (%s)", path, exc)
     state.flushed_steps, state.flushed_summary = recorder.num_steps, summary
     return summary
 

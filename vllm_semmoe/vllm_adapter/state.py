@@ -85,6 +85,9 @@ class SemMoEState:
         step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
         flushed_steps / flushed_summary: what the last :func:`~.recording.flush_capture` wrote.
         dp_router: in an API-server process, the Sem-MoE DP rank chooser (``dp`` mode).
+        failures: failures of the plugin's own machinery in this engine, kind -> reason
+            (``capture_error``: the capture stopped; ``unmetered``: MoE layers whose token exchange
+            is not counted), reported by :func:`~.metrics.report_failure`.
     """
 
     config: Any
@@ -103,6 +106,7 @@ class SemMoEState:
     flushed_steps: int = -1
     flushed_summary: dict = field(default_factory=dict)
     dp_router: Any = None
+    failures: dict = field(default_factory=dict)
 
     @property
     def shuffles(self) -> bool:
