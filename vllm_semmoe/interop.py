@@ -71,17 +71,57 @@ class ImportResult:
 
 
 # ---- shared helpers ------------------------------------------------------------------------
-def _torch_load(path: str):
-    """``torch.load(path, weights_only=True)`` with a one-line :class:`TraceError` on failure."""
+#: What ``semmoe import`` reads, for its error messages.
+IMPORT_EXPECTED = ("expected saved vLLM routed experts (vllm_semmoe.interop.save_vllm_routed_experts) or an "
+                   "SGLang per_token dump (expert_distribution_recorder_*.pt)")
+
+
+def _refused_file(path: str, torch_message: str) -> str:
+    """What a file ``torch.load(weights_only=True)`` refused is, from its first bytes and torch's
+    message: ``"not a readable torch.save file (a NumPy .npy array)"``, ``"a torch.save file holding
+    Python objects ..."``."""
+    import re
+    import zipfile
+
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", torch_message)
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"\x93NUMPY"):
+        kind = "a NumPy .npy array"
+    elif head.startswith(b"PK"):
+        try:
+            names = zipfile.ZipFile(path).namelist()
+        except (zipfile.BadZipFile, OSError):
+            return "not a readable torch.save file (a damaged or truncated zip archive)"
+        if any(name.endswith("data.pkl") for name in names):
+            if unsafe or "Weights only load failed" in torch_message:
+                held = f" ({unsafe.group(1)})" if unsafe else ""
+                return (f"a torch.save file holding Python objects{held} besides tensors, lists, dicts, "
+                        "strings and numbers, which semmoe does not unpickle")
+            return "not a readable torch.save file (damaged)"
+        kind = "a NumPy .npz archive" if names and all(n.endswith(".npy") for n in names) else "a zip archive"
+    elif head.startswith(b"\x80"):
+        kind = "a Python pickle" + (f" holding {unsafe.group(1)}" if unsafe else "")
+    else:
+        kind = "a text file" if b"\0" not in head else "an unrecognised binary file"
+    return f"not a readable torch.save file ({kind})"
+
+
+def _torch_load(path: str, expected: str = IMPORT_EXPECTED):
+    """``torch.load(path, weights_only=True)``; a file it refuses is a one-line :class:`TraceError`
+    saying what the file is not and ``expected`` (never torch's advice to unpickle it unsafely)."""
+    import warnings
+
     import torch
 
     if not os.path.exists(path):
         raise TraceError(f"file not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols on its way to refusing a file
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle / zip / unsafe-global errors
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TraceError(f"{path}: not a readable torch.save file ({first})") from None
+        raise TraceError(f"{path}: {_refused_file(path, str(exc))}; {expected}") from None
 
 
 def _int_array(value, what: str, ndim: int) -> np.ndarray:
@@ -493,13 +533,9 @@ class PlacementFile:
         return expert_devices(self.p2l, self.ep_size, self.num_experts)
 
     def placement(self, method: str = "") -> Placement:
-        """The :class:`Placement` (replicated layouts need a Placement with ``redundant`` support)."""
-        if self.redundant == 0:
-            return Placement.from_physical_to_logical(self.p2l, self.ep_size, method)
-        if "redundant" not in getattr(Placement, "__dataclass_fields__", {}):
-            raise PlacementError(f"this layout has {self.redundant} redundant slot(s) per rank; this "
-                                 "vllm-semmoe has no replicated placements")
-        return Placement.from_physical_to_logical(self.p2l, self.ep_size, method)
+        """The :class:`Placement`: each rank's first ``N/E`` slots are its home experts, the
+        other ``R`` its replicas (:meth:`Placement.from_physical_to_logical`)."""
+        return Placement.from_physical_to_logical(self.p2l, self.ep_size, method, self.num_experts)
 
 
 def expert_devices(p2l, ep_size: int, num_experts: int | None = None) -> np.ndarray:
@@ -524,7 +560,7 @@ def load_placement_file(path: str | os.PathLike, ep_size: int, *, dense_layers: 
         raise PlacementError(f"placement file not found: {path}")
     if path.endswith(".pt"):
         try:
-            data = _torch_load(path)
+            data = _torch_load(path, "expected an SGLang --init-expert-location .pt file (physical_to_logical_map)")
         except TraceError as exc:
             raise PlacementError(str(exc)) from None
     else:

@@ -37,7 +37,7 @@ What is reported, per method (placement + its data scheduling):
 - wall time per layer: after a barrier, each rank times dispatch + experts + combine; a
   layer's time is the slowest rank's, averaged over batches and layers (``layer_ms``).
 
-Data scheduling follows :mod:`.evaluate` (its ``_tp_devices`` / ``_dp_ranks`` are called):
+Data scheduling is :mod:`vllm_semmoe.schedulers`' (``tp_devices`` / ``dp_ranks``):
 
 - **TP** — batches of ``batch_tokens`` consecutive evaluation tokens; ``semmoe`` places each
   token per layer with Sem-MoE's TP scheduler and its tables, baselines use the

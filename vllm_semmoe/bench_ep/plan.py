@@ -29,7 +29,8 @@ class BenchPlan:
         step_rows: method → ``(rows [P], offsets [S+1])``: rows of ``experts`` in batch ``s``.
         step_device: method → ``[P, L]`` int16 rank of each batch row per layer.
         step_serving: method → ``[P, L, K]`` int16 rank computing each activation of each
-            batch row (:meth:`~vllm_semmoe.placement.Placement.serving_device`).
+            batch row (:meth:`~vllm_semmoe.placement.Placement.serving_device`; EPLB's replicas
+            as vLLM's EPLB picks them, :func:`vllm_semmoe.policy.eplb.vllm_serving_device`).
         eval_tokens, profile_tokens: sizes of the split.
         solve_s: method → seconds to solve its placement.
     """
@@ -60,7 +61,8 @@ class BenchPlan:
 
 
 def _as_trace(trace):
-    from ..trace import RoutingTrace, load_trace
+    from ..trace import RoutingTrace
+    from ..capture_store import load_trace
 
     return trace if isinstance(trace, RoutingTrace) else load_trace(trace)
 
@@ -97,10 +99,11 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     defaults; e.g. other DP knobs); its mode and batch size are this call's. The replicas are
     chosen against the default rule either way (``SemMoEPolicy.solve``). Deterministic for a seed.
     """
-    from .. import evaluate as ev
+    from .. import schedulers as ev
     from ..modes import ServingMode, serving_mode
     from ..policy import get_policy
     from ..policy.base import check_redundant
+    from ..policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
     from ..tables import build_tables, placement_device_counts
 
     mode = serving_mode(mode)
@@ -144,11 +147,11 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
         if mode == ServingMode.TP:
             counts = placement_device_counts(sub.experts, placement)
-            device, _ = ev._tp_devices(sub, counts, tables, E, config)
+            device, _ = ev.tp_devices(sub, counts, tables, E, config)
             plan_rows[name] = (tp_rows, offsets)
             plan_dev[name] = device[tp_rows].astype(np.int16)
         else:
-            rank, _ = ev._dp_ranks(rest, tables, E, config)
+            rank, _ = ev.dp_ranks(rest, tables, E, config)
             plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
     if progress:
         progress(len(methods), len(methods), "solving")
@@ -161,7 +164,12 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         rows, off = plan_rows[m]
         plan.step_rows[m] = (np.searchsorted(used, rows).astype(np.int64), off)
         plan.step_device[m] = np.ascontiguousarray(plan_dev[m])
-        plan.step_serving[m] = placements[m].serving_device(source.experts[rows], plan_dev[m]).astype(np.int16)
+        if served_by_vllm_eplb(placements[m]):  # vLLM's EPLB: each copy by a hash of the token's row
+            serving = vllm_serving_device(placements[m].physical_to_logical(), E, source.experts[rows],
+                                          rank_rows(plan_dev[m], off[:-1]))
+        else:
+            serving = placements[m].serving_device(source.experts[rows], plan_dev[m])
+        plan.step_serving[m] = serving.astype(np.int16)
     return plan
 
 

@@ -21,7 +21,7 @@ def _aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
            "backend": cfg["backend"], "methods": {}}
     problems = []
     for i, m in enumerate(plan.methods):
-        def stack(key):
+        def stack(key, i=i):
             return np.stack([pr[f"{key}_{i}"] for pr in per_rank])  # [E(rank), ...]
 
         disp_sent = stack("disp_sent").transpose(1, 0, 2)  # [L, src, dst]

@@ -216,7 +216,7 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
     steps = cfg["steps"]
     total_steps = max(steps.values())
     res = {}
-    for i, m in enumerate(methods):
+    for i in range(len(methods)):
         res[f"disp_sent_{i}"] = np.zeros((L, E), np.int64)
         res[f"disp_recv_{i}"] = np.zeros((L, E), np.int64)
         res[f"comb_sent_{i}"] = np.zeros((L, E), np.int64)

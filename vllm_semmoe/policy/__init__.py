@@ -6,9 +6,10 @@ Pure NumPy/Numba/HiGHS; nothing here imports vLLM.
 from __future__ import annotations
 
 from .base import PlacementPolicy, Progress
+from .eplb import EplbPolicy
 from .moetuner import MoETunerPolicy
 from .semmoe import SemMoEPolicy
-from .simple import EplbPolicy, RoundRobinPolicy, VanillaPolicy
+from .simple import RoundRobinPolicy, VanillaPolicy
 
 POLICIES: dict[str, type[PlacementPolicy]] = {
     p.name: p for p in (VanillaPolicy, RoundRobinPolicy, EplbPolicy, MoETunerPolicy, SemMoEPolicy)

@@ -67,7 +67,7 @@ def check_redundant(redundant: int, num_experts: int, ep_size: int, policy: str 
         raise PlacementError(f"redundant slots per device must be >= 0, got {redundant}")
     if policy and redundant:
         raise PlacementError(f"the {policy} placement does not replicate experts; use --redundant 0 "
-                             "or --method semmoe")
+                             "or --method semmoe or eplb")
     if redundant > num_experts - num_experts // ep_size:
         raise PlacementError(f"{redundant} redundant slots per device exceed the "
                              f"{num_experts - num_experts // ep_size} experts a device does not hold")

@@ -1,0 +1,259 @@
+"""The cost grid: every method, replica count, step size, model width and hardware set, modelled.
+
+``semmoe cost --grid`` (:func:`run_grid`) solves each (mode, method, R) placement once on the
+profile split, schedules the rest of the trace with it at every step size exactly as
+``bench-ep`` replays it (TP: consecutive steps of ``B`` tokens, Sem-MoE's scheduler with its
+tables, the baselines on the reduce-scatter's contiguous slices; DP: requests on ranks by
+Sem-MoE's router or round-robin, ranks in lock step with ``ceil(B/E)`` tokens each per step),
+counts every step (:func:`vllm_semmoe.cost_model.step_traffic`; EPLB's replicas serve their
+tokens as vLLM's EPLB picks them, :func:`vllm_semmoe.policy.eplb.vllm_serving_device`) and models it on every
+hardware set and width (:mod:`vllm_semmoe.cost_model`). TP mode also gets ``stock_tp``: stock
+vLLM TP + EP on vanilla's placement (every rank holds every token, computes its own experts on
+all of them, two all-reduces per layer, no exchange).
+
+Each cell is one flat row (times in µs per MoE layer per step, the mean over the steps and
+layers of the evaluation stream):
+
+- ``collectives_us``, ``dispatch_us``, ``combine_us``, ``experts_us`` (the straggler rank's),
+  ``total_us`` (their sum), ``experts_mean_us`` (expert work spread evenly);
+- ``time_bound_us``: the same per-step totals spread evenly over ranks (the method's own
+  locality without a straggler; ``total_us - time_bound_us`` is what the straggler costs);
+- ``oracle_time_bound_us``, ``oracle_lar``: the same placement with each token (TP, per layer)
+  or request (DP) on the rank holding most of its experts, spread evenly (the ceiling of data
+  scheduling, :mod:`vllm_semmoe.evaluate`'s ``oracle_lar``);
+- ``time_ratio_vs_vanilla``: ``total_us`` over vanilla's (R = 0) in the same mode, hardware,
+  step size and width.
+
+Pure NumPy on top of the solvers; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from .cost_model import (DSV2_LITE, DSV3_WIDTH, HARDWARE, MoEShape, StepTraffic, even_spread, layer_times,
+                         step_traffic, summarize)
+
+GRID_MODES = ("tp", "dp")
+GRID_METHODS = ("vanilla", "eplb", "moetuner", "semmoe")
+GRID_REDUNDANT = (0, 1, 2)
+GRID_BATCHES = (128, 4096)  # decode-sized and prefill-sized steps (tokens per step over all ranks)
+GRID_SHAPES = (DSV2_LITE, DSV3_WIDTH)  # V3's widths are a what-if on the trace's own experts and top-k
+#: the columns every row has (the issue's flat-row contract), in order
+ROW_KEYS = ("mode", "method", "redundant", "hardware", "calibrated", "nodes", "batch_tokens", "hidden",
+            "expert_intermediate", "lar", "dispatch_us", "combine_us", "experts_us", "total_us", "time_bound_us",
+            "time_ratio_vs_vanilla")
+UNIT = "µs per MoE layer per step (mean over the evaluation stream's steps and the MoE layers)"
+
+
+def grid_cells(methods=GRID_METHODS, redundant=GRID_REDUNDANT) -> tuple[list, list]:
+    """``([(method, R)], [notes])``: every R for methods whose policy replicates, R = 0 for the
+    others; a note names each (method, R > 0) the registry cannot solve."""
+    from .policy import get_policy
+
+    cells, notes = [], []
+    for method in methods:
+        replicates = get_policy(method).supports_redundant
+        for R in redundant:
+            if R == 0 or replicates:
+                cells.append((method, R))
+            elif method != "vanilla":
+                notes.append(f"{method} at R = {R}: the {method} policy does not replicate experts "
+                             "(PlacementPolicy.supports_redundant is false); only R = 0 is in the grid")
+    return cells, notes
+
+
+def schedule(rest, placement, tables, mode: str, batch_tokens: int, config=None, max_batches=None,
+             sample: str = "head"):
+    """``(rows [P], offsets [S + 1], device [P, L], source trace)``: the evaluation tokens of
+    every step (indices into ``source``), and the rank of each per layer, as ``bench-ep``
+    schedules them (:func:`vllm_semmoe.bench_ep.plan.plan_bench_ep`)."""
+    from . import schedulers as ev
+    from .bench_ep.plan import _dp_steps, sample_steps
+    from .modes import ServingMode, serving_mode
+    from .tables import placement_device_counts
+
+    mode = serving_mode(mode)
+    config = replace(config or ev.EvalConfig(), mode=mode, batch_tokens=batch_tokens)
+    E = placement.ep_size
+    if mode == ServingMode.DP:
+        rank, _ = ev.dp_ranks(rest, tables, E, config)
+        (rows, offsets), device = _dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
+        return rows, offsets, device.astype(np.int64), rest
+    steps = sample_steps(-(-rest.num_tokens // batch_tokens), max_batches, sample)
+    n_tok = min(rest.num_tokens, (int(steps[-1]) + 1) * batch_tokens)
+    n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))
+    sub = rest.select_requests(np.arange(max(n_req, 1)))
+    device, _ = ev.tp_devices(sub, placement_device_counts(sub.experts, placement), tables, E, config)
+    parts = [np.arange(b * batch_tokens, min((b + 1) * batch_tokens, n_tok), dtype=np.int64) for b in steps]
+    offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
+    rows = np.concatenate(parts)
+    return rows, offsets, device[rows], sub
+
+
+def oracle_devices(source, rows: np.ndarray, placement, mode: str) -> np.ndarray:
+    """``[P, L]`` the rank holding most of each scheduled token's experts (TP: per token and
+    layer) or of its request's (DP: one rank per request for all layers)."""
+    from .modes import ServingMode, serving_mode
+    from .tables import placement_device_counts
+
+    if serving_mode(mode) == ServingMode.TP:
+        return placement_device_counts(source.experts[rows], placement).argmax(axis=2).astype(np.int64)
+    counts = placement_device_counts(source.experts, placement).sum(axis=1, dtype=np.int64)  # [T, E]
+    per_request = np.add.reduceat(counts, source.offsets[:-1], axis=0)  # [R, E]
+    request = np.repeat(np.arange(source.num_requests), np.diff(source.offsets))
+    return np.repeat(per_request.argmax(axis=1)[request[rows]][:, None], source.num_layers, axis=1)
+
+
+def node_groups(hardware) -> tuple:
+    """Node counts whose per-node rows the hierarchical sets among ``hardware`` read."""
+    return tuple(sorted({HARDWARE[h].nodes for h in hardware if HARDWARE[h].unit == "node" and HARDWARE[h].nodes > 1}))
+
+
+def plan_traffic(plan, method: str, hardware=None) -> StepTraffic:
+    """:class:`~vllm_semmoe.cost_model.StepTraffic` of one method of a
+    :class:`~vllm_semmoe.bench_ep.BenchPlan` (the steps ``bench-ep`` replays)."""
+    rows, offsets = plan.step_rows[method]
+    return step_traffic(plan.step_serving[method], plan.step_device[method], offsets, plan.ranks,
+                        experts=plan.experts[rows], node_groups=node_groups(hardware or HARDWARE))
+
+
+def _stock_tp(serving, offsets, experts, E, groups) -> StepTraffic:
+    """Stock TP + EP: every rank holds the step's tokens and computes its own experts on all of
+    them; nothing is exchanged."""
+    home = serving[:, :, 0]
+    t = step_traffic(serving, home, offsets, E, experts=experts, node_groups=groups)
+    zero = np.zeros_like(t.rank_rows)
+    return replace(t, rank_rows=zero, expert_rows=zero, node_rows={g: np.zeros_like(v) for g, v in t.node_rows.items()},
+                   local=int(serving.size), exchange=False)
+
+
+def _cost_rows(base: dict, traffic: StepTraffic, bound: StepTraffic, oracle: StepTraffic | None,
+               hardware, shapes, collectives) -> list[dict]:
+    out = []
+    for name in hardware:
+        hw = HARDWARE[name]
+        for shape in shapes:
+            cost = summarize(layer_times(traffic, shape, hw, collectives), traffic)
+            row = {**base, "hardware": name, "calibrated": hw.calibrated, "nodes": hw.nodes, "unit": hw.unit,
+                   "hidden": shape.hidden, "expert_intermediate": shape.expert_intermediate, **cost,
+                   "time_bound_us": summarize(layer_times(bound, shape, hw, collectives), bound)["total_us"],
+                   "oracle_time_bound_us": (summarize(layer_times(oracle, shape, hw, collectives), oracle)["total_us"]
+                                            if oracle is not None else None),
+                   "time_ratio_vs_vanilla": None}
+            out.append({**{k: row[k] for k in ROW_KEYS}, **row})  # the contract's columns first
+    return out
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """``time_ratio_vs_vanilla`` of every row: over vanilla R = 0 in the same mode, hardware,
+    step size and width (None where the grid has no such vanilla row)."""
+    key = lambda r: (r["mode"], r["hardware"], r["batch_tokens"], r["hidden"], r["expert_intermediate"])  # noqa: E731
+    base = {key(r): r["total_us"] for r in rows if r["method"] == "vanilla" and r["redundant"] == 0}
+    for r in rows:
+        b = base.get(key(r))
+        r["time_ratio_vs_vanilla"] = r["total_us"] / b if b else None
+    return rows
+
+
+def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, modes=GRID_MODES,
+             methods=GRID_METHODS, redundant=GRID_REDUNDANT, batches=GRID_BATCHES, shapes=GRID_SHAPES,
+             hardware=None, layers: int | None = None, max_batches: int | None = None, sample: str = "head",
+             progress=None) -> dict:
+    """Model the whole grid on ``trace`` (a path or :class:`~vllm_semmoe.trace.RoutingTrace`).
+
+    Returns ``{"rows": [flat row per cell], "notes": [...], "solve_s": {...}, "unit": ...,
+    "hardware": {name: parameters}}``; rows in (mode, method, R, batch, hardware, width) order.
+    """
+    from .bench_ep.plan import _as_trace, _first_layers
+    from .modes import serving_mode
+    from .policy import get_policy
+    from .policy.base import check_redundant
+    from .policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
+    from .tables import build_tables
+
+    hardware = tuple(HARDWARE) if hardware is None else tuple(hardware)
+    unknown = [h for h in hardware if h not in HARDWARE]
+    if unknown:
+        raise ValueError(f"unknown hardware {', '.join(unknown)}; choose from {', '.join(HARDWARE)}")
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batches must be step sizes >= 1, got {batches}")
+    full = _first_layers(_as_trace(trace), layers)
+    for R in redundant:
+        check_redundant(R, full.num_experts, ep)
+    profile, rest = full.split(profile_frac, seed)
+    cells, notes = grid_cells(methods, redundant)
+    groups = node_groups(hardware)
+    total = len(modes) * len(cells) * len(batches)
+    done, rows, solve_s = 0, [], {}
+    for mode in modes:
+        mode = serving_mode(mode)
+        collectives = "tp_shuffle" if mode == "tp" else None
+        for method, R in cells:
+            if progress:
+                progress(done, total, "cost grid")
+            start = time.perf_counter()
+            placement = get_policy(method).solve(profile, ep, mode=mode, seed=seed, redundant=R)
+            solve_s[f"{mode}/{method}/R{R}"] = round(time.perf_counter() - start, 2)
+            tables = build_tables(profile, placement, mode=mode) if method == "semmoe" else None
+            for batch in batches:
+                idx, offsets, device, source = schedule(rest, placement, tables, mode, batch,
+                                                        max_batches=max_batches, sample=sample)
+                experts = source.experts[idx].astype(np.int64)
+                if served_by_vllm_eplb(placement):  # vLLM's EPLB: each copy by a hash of the token's row
+                    serving = vllm_serving_device(placement.physical_to_logical(), ep, experts,
+                                                  rank_rows(device, offsets[:-1]))
+                else:
+                    serving = placement.serving_device(experts, device)
+                traffic = step_traffic(serving, device, offsets, ep, experts=experts, node_groups=groups)
+                oracle_dev = oracle_devices(source, idx, placement, mode)
+                oracle = step_traffic(placement.serving_device(experts, oracle_dev), oracle_dev, offsets, ep,
+                                      experts=experts, node_groups=groups)
+                base = {"mode": str(mode), "method": method, "redundant": R, "batch_tokens": batch,
+                        "steps": len(offsets) - 1, "lar": traffic.lar, "oracle_lar": oracle.lar}
+                rows += _cost_rows(base, traffic, even_spread(traffic), even_spread(oracle), hardware, shapes,
+                                   collectives)
+                if mode == "tp" and method == "vanilla" and R == 0:
+                    stock = _stock_tp(serving, offsets, experts, ep, groups)
+                    rows += _cost_rows({**base, "method": "stock_tp", "lar": None, "oracle_lar": None}, stock,
+                                       even_spread(stock), None, hardware, shapes, "tp_allreduce")
+                done += 1
+                if progress:
+                    progress(done, total, "cost grid")
+    return {"rows": add_ratios(rows), "notes": notes, "solve_s": solve_s, "unit": UNIT,
+            "ep": ep, "seed": seed, "profile_frac": profile_frac, "layers": full.num_layers,
+            "eval_tokens": rest.num_tokens, "profile_tokens": profile.num_tokens,
+            "hardware": {h: asdict(HARDWARE[h]) for h in hardware}}
+
+
+def format_grid(result: dict) -> str:
+    """Sem-MoE's best R against vanilla and EPLB per (hardware, mode, step size, width)."""
+    rows = result["rows"]
+    lines = [f"cost grid: EP {result['ep']}, {result['layers']} MoE layers, {len(rows)} rows; "
+             f"times in {result['unit']}",
+             f"{'hardware':<22}{'cal':>4}{'mode':>5}{'batch':>6}{'hidden':>7}  {'vanilla_us':>10}{'semmoe_R':>9}"
+             f"{'vs_van':>8}{'vs_eplb':>8}{'stock_tp_x':>11}"]
+    index = {}
+    for r in rows:
+        index.setdefault((r["hardware"], r["mode"], r["batch_tokens"], r["hidden"]), []).append(r)
+    for (hw, mode, batch, hidden), group in index.items():
+        by = {(r["method"], r["redundant"]): r for r in group}
+        van = by.get(("vanilla", 0))
+        sem = [r for r in group if r["method"] == "semmoe"]
+        if not van or not sem:
+            continue
+        best = min(sem, key=lambda r: r["total_us"])
+        eplb = by.get(("eplb", best["redundant"])) or by.get(("eplb", 0))
+        stock = by.get(("stock_tp", 0))
+        lines.append(f"{hw:<22}{'yes' if HARDWARE[hw].calibrated else 'no':>4}{mode:>5}{batch:>6}{hidden:>7}  "
+                     f"{van['total_us']:>10.1f}{best['redundant']:>9}{best['total_us'] / van['total_us']:>8.3f}"
+                     f"{(best['total_us'] / eplb['total_us']) if eplb else float('nan'):>8.3f}"
+                     f"{(stock['total_us'] / van['total_us']) if stock else float('nan'):>11.3f}")
+    return "\n".join(lines + [f"note: {n}" for n in result.get("notes", [])])
+
+
+__all__ = ["GRID_BATCHES", "GRID_METHODS", "GRID_MODES", "GRID_REDUNDANT", "GRID_SHAPES", "ROW_KEYS", "MoEShape",
+           "add_ratios", "format_grid", "grid_cells", "plan_traffic", "run_grid", "schedule"]
