@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_semmoe import scheduling, scheduling_torch
-from vllm_semmoe.evaluate import previous_experts
+from vllm_semmoe.schedulers import previous_experts
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.tables import build_tables
 

@@ -35,10 +35,16 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
 - ``theta`` (exploratory): the DP co-clustering without its expert-load price (θ 0) against
   the deployed θ, at the same knob pairs, with the evaluation's expert imbalance.
 
-The ``default`` knobs are ``scheduling``'s (balance 4, price step 0.3 since 2026-12-03; the
-figures of benchmarks/SEEDS.md printed before that are at 64, 0.2).
+The ``default`` knobs are ``scheduling``'s (balance 32, price step 0.2 since the tuning split,
+2026-12-04; balance 4, price step 0.3 from 2026-12-03; the figures of benchmarks/SEEDS.md
+printed before that are at 64, 0.2).
 
-    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1] [--block 280]
+Every study splits the requests outside the tuning split (``vllm_semmoe.trace.TUNING_FRAC``, the
+requests the knobs are chosen on) as ``semmoe eval`` does; ``--no-hold-out-tuning`` splits them
+all, as every run dated before the tuning split did (``curve`` then also fits on up to 1,000).
+
+    .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1]
+        [--block 280] [--no-hold-out-tuning]
 """
 
 import argparse
@@ -53,11 +59,19 @@ from vllm_semmoe.placement import Placement
 from vllm_semmoe.policy.lp import assign_experts
 from vllm_semmoe.policy.semmoe import SemMoEPolicy, cocluster, request_expert_counts
 from vllm_semmoe.tables import build_tables, placement_device_counts, request_idf
-from vllm_semmoe.trace import load_trace
+from vllm_semmoe.capture_store import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 E = 8
 DEFAULT_KNOBS = (scheduling.DEFAULT_DP_BALANCE, scheduling.DEFAULT_DP_PRICE_STEP)
+
+
+HOLD_OUT_TUNING = True  # --no-hold-out-tuning: the seeds split every request, the tuning split's too
+
+
+def seed_split(trace, seed):
+    """The seed's ``(profile, evaluation)``, as ``semmoe eval --profile-frac 0.2`` splits it."""
+    return trace.split(0.2, seed, hold_out_tuning=HOLD_OUT_TUNING)
 
 
 def predicted_counts(fit, folds=0, idf=False, alpha=1.0):
@@ -154,7 +168,7 @@ def study_shrink(trace, seeds, variants):
     print("knobs:", knobs)
     results = {v: [] for v in variants}
     for seed in seeds:
-        profile, _ = trace.split(0.2, seed)
+        profile, _ = seed_split(trace, seed)
         a, b = profile.split(0.5, 100 + seed)
         for fit, held in ((a, b), (b, a)):
             for v in variants:
@@ -170,7 +184,7 @@ def study_restarts(trace, seeds):
     knobs = [(0.0, 0.2), DEFAULT_KNOBS]
     print("knobs:", knobs, "W = 256; columns: profiled objective, then the evaluation figures")
     for seed in seeds:
-        profile, evaluation = trace.split(0.2, seed)
+        profile, evaluation = seed_split(trace, seed)
         rows = []
         for r in range(20):
             placement, objective = solve(profile, 1000 + r, restarts=1)
@@ -189,9 +203,9 @@ def study_fit(trace, seeds):
     knobs = [(0.0, 0.2), DEFAULT_KNOBS]
     print("knobs:", knobs, "W = 256")
     for seed in seeds:
-        profile, evaluation = trace.split(0.2, seed)
+        profile, evaluation = seed_split(trace, seed)
         for name, fit in (("profile (as deployed)", profile), ("evaluation requests", evaluation),
-                          ("every request", trace)):
+                          ("every request", trace.tuning_split()[1] if HOLD_OUT_TUNING else trace)):
             placement, _ = solve(fit, seed)
             print(f"seed {seed}, placement fitted on {name}: {fmt(measure(profile, evaluation, placement, knobs, 256))}",
                   flush=True)
@@ -200,11 +214,13 @@ def study_fit(trace, seeds):
 def study_curve(trace, seeds):
     knobs = [(0.0, 0.2)]
     print("knobs:", knobs, "W = 128")
+    if HOLD_OUT_TUNING:
+        trace = trace.tuning_split()[1]
     for seed in seeds:
         order = np.random.default_rng(50 + seed).permutation(trace.num_requests)
         test = trace.select_requests(np.sort(order[:399]))
         tables_from = trace.select_requests(np.sort(order[399:399 + 280]))
-        for n in (140, 280, 560, 1000):
+        for n in (n for n in (140, 280, 560, 1000) if 399 + n <= trace.num_requests):
             placement, _ = solve(trace.select_requests(np.sort(order[399:399 + n])), seed)
             print(f"seed {seed}, fitted on {n} requests: {fmt(measure(tables_from, test, placement, knobs, 128))}",
                   flush=True)
@@ -224,7 +240,7 @@ def study_online(trace, seeds, block=280):
     window = 256
     print("knobs:", knobs, f"W = {window}, blocks of {block} requests")
     for seed in seeds:
-        profile, evaluation = trace.split(0.2, seed)
+        profile, evaluation = seed_split(trace, seed)
         R = evaluation.num_requests
         work = scheduling.request_work(np.diff(evaluation.offsets))
         least = scheduling.window_imbalance(scheduling.least_loaded_assign(work, E, window), work, E, window)
@@ -277,7 +293,7 @@ def study_foresight(trace, seeds, window=256, bar=1.05):
           "chosen with hindsight on the evaluation requests, per seed or one pair for every seed")
     oracle, optimum, curves = [], [], {"T2D votes (as served)": [], "true counts (perfect foresight)": []}
     for seed in seeds:
-        profile, evaluation = trace.split(0.2, seed)
+        profile, evaluation = seed_split(trace, seed)
         placement, _ = solve(profile, seed)
         local, votes = local_and_votes(build_tables(profile, placement, mode="dp"), evaluation)
         local = local.astype(np.float64)
@@ -361,7 +377,7 @@ def study_bigram(trace, seeds, betas=(1.0, 4.0, 16.0), window=256):
     print("knobs:", knobs, f"W = {window}; votes: the served T2D rows, or rows conditioned on the previous token")
     results = {b: [] for b in (None, *betas)}
     for seed in seeds:
-        profile, evaluation = trace.split(0.2, seed)
+        profile, evaluation = seed_split(trace, seed)
         placement, _ = solve(profile, seed)
         tables = build_tables(profile, placement, mode="dp")
         local, served = local_and_votes(tables, evaluation)
@@ -387,7 +403,7 @@ def study_theta(trace, seeds, thetas=(None, 0.0)):
     for theta in thetas:
         rows, imbalance = [], []
         for seed in seeds:
-            profile, evaluation = trace.split(0.2, seed)
+            profile, evaluation = seed_split(trace, seed)
             placement, _ = solve(profile, seed, load_price=theta)
             rows.append(measure(profile, evaluation, placement, knobs, 256))
             experts = evaluation.experts.astype(np.int64)  # [T, L, K]
@@ -405,7 +421,12 @@ def main() -> None:
     parser.add_argument("--variants", default="0,0.25,0.5,0.75,1,0.5i,0.5w,0.5c,1c")
     parser.add_argument("--block", type=int, default=280, help="online: requests served between re-solves")
     parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the tuning split out of every profile and evaluation set (default; the "
+                             "figures dated before it were printed with --no-hold-out-tuning)")
     args = parser.parse_args()
+    global HOLD_OUT_TUNING
+    HOLD_OUT_TUNING = args.hold_out_tuning
     trace = load_trace(args.trace)
     seeds = [int(s) for s in (args.seeds or ("0,1,2,3,4" if args.study == "shrink" else "0,1")).split(",")]
     start = time.time()

@@ -18,7 +18,7 @@ import numpy as np
 
 from vllm_semmoe.evaluate import EvalConfig, compare_seeds
 from vllm_semmoe.policy.semmoe import SemMoEPolicy
-from vllm_semmoe.trace import load_trace
+from vllm_semmoe.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 

@@ -23,14 +23,16 @@ def decision_matches(trials: int = 200) -> dict:
     bad = 0
     for _ in range(trials):
         E, J, B = int(rng.choice([2, 4, 8])), int(rng.integers(1, 64)), int(rng.integers(1, 2048))
-        t2d = rng.random((J, E), np.float32); t2d /= t2d.sum(1, keepdims=True)
-        oov = rng.random(E, np.float32); oov /= oov.sum()
-        markov = rng.random((E * E, E), np.float32); markov /= markov.sum(1, keepdims=True)
+        t2d = rng.random((J, E), np.float32)
+        t2d /= t2d.sum(1, keepdims=True)
+        oov = rng.random(E, np.float32)
+        oov /= oov.sum()
+        markov = rng.random((E * E, E), np.float32)
+        markov /= markov.sum(1, keepdims=True)
         rows = rng.integers(-1, J, B).astype(np.int64)
         hist = np.where(rng.random(B) < 0.3, -1, rng.integers(0, E * E, B)).astype(np.int64)
         want = scheduling.tp_schedule(rows, hist, t2d, oov, markov, E)
-        c = lambda a: torch.from_numpy(a).cuda()
-        got = scheduling_torch.tp_schedule(c(rows), c(hist), c(t2d), c(oov), c(markov), E)
+        got = scheduling_torch.tp_schedule(*(torch.from_numpy(a).cuda() for a in (rows, hist, t2d, oov, markov)), E)
         bad += any(not np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, want))
     # the engine's rule (X table): scores to float32 rounding, decisions of the same value
     worst = 0.0
@@ -39,10 +41,10 @@ def decision_matches(trials: int = 200) -> dict:
         want = scheduling.tp_expert_scores(*args, np.asarray(weights))
         got = scheduling_torch.tp_expert_scores(*(torch.from_numpy(a).cuda() for a in args), weights).cpu().numpy()
         worst = max(worst, float(np.abs(got - want).max()))
-        value = lambda d: float(want[np.arange(len(want)), d].sum())
-        gap = abs(value(scheduling_torch.tp_decide(torch.from_numpy(got).cuda(), E)[0].cpu().numpy())
-                  - value(scheduling.tp_decide(want, E)[0]))
-        bad += gap > 1e-4 * max(1.0, value(scheduling.tp_decide(want, E)[0]))
+        rows_ = np.arange(len(want))
+        value_got = float(want[rows_, scheduling_torch.tp_decide(torch.from_numpy(got).cuda(), E)[0].cpu().numpy()].sum())
+        value_want = float(want[rows_, scheduling.tp_decide(want, E)[0]].sum())
+        bad += abs(value_got - value_want) > 1e-4 * max(1.0, value_want)
     return {"decision_trials": trials + trials // 4, "decision_mismatches": bad, "expert_rule_max_score_diff": worst}
 
 
@@ -203,7 +205,7 @@ def main() -> None:
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.config import SemMoEConfigError
     from vllm_semmoe.vllm_adapter.recording import flush_capture
 

@@ -13,7 +13,7 @@ VENV=${SEMMOE_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
 stamp_key() {
-  cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1
+  cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1
 }
 # Debian's Chromium: tests/test_report.py opens `semmoe report`'s page in it (headless).
 # Installed only if missing, only where apt-get can (root); otherwise that test says it skipped.

@@ -1,8 +1,11 @@
 """How the DP rule's balance knobs (``scheduling.DEFAULT_DP_BALANCE``, ``DEFAULT_DP_PRICE_STEP``)
-were chosen: on the profiled requests only, never on evaluation requests.
+were chosen: on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation
+uses.
 
-For each seed 0-4, the profile (20% of the DeepSeek-V2-Lite dev trace's requests) is solved
-with Sem-MoE (DP, EP 8) as deployed; the profiled requests' votes are cross-fitted (5 folds:
+For each seed 0-4, the tuning split (20% of the DeepSeek-V2-Lite dev trace's requests; with
+``--no-hold-out-tuning`` the seed's profile split instead, as every run dated before the tuning
+split did) is solved with Sem-MoE (DP, EP 8, the seed seeding the solver, the folds and the
+streams) as deployed; the profiled requests' votes are cross-fitted (5 folds:
 tables built on four fifths of the profile, votes for the other fifth), so their preferences
 are as sharp as an unseen request's. The router is then run, with every knob pair of a small
 grid, on arrival streams as long as the evaluation's (``--stream`` requests, 16 per seed) drawn
@@ -25,7 +28,13 @@ Printed on 2026-12-03 (2-core CPU VM, 35 s): IDF / plain pure-locality LAR per s
 price step 0.3 (LAR 0.1801, window imbalance 1.033x least-loaded's, worst seed 1.047x). With 4
 streams per seed the pick moved between (16, 0.2) and (32, 0.3): the grid's top is flat.
 
-    .venv/bin/python scripts/tune_dp_price.py [--trace PATH] [--stream N] [--legacy]
+Printed on 2026-12-04 on the tuning split (the default since; θ 0.3, streams of 839 requests,
+44 s): IDF / plain pure-locality LAR per seed 0.1828 / 0.1831, 0.1912 / 0.1827, 0.1931 / 0.1866,
+0.1853 / 0.1828, 0.1877 / 0.1861; pick: balance 32, price step 0.2 (LAR 0.1852 at 1.035x, worst
+seed 1.046x; (16, 0.3) 0.1851 at worst 1.043x; (4, 0.3) 0.1858 but worst 1.055x). The five seeds
+share the tuning split's requests (only the solver's, folds' and streams' randomness differ).
+
+    .venv/bin/python scripts/tune_dp_price.py [--trace PATH] [--stream N] [--legacy] [--no-hold-out-tuning]
 """
 
 import argparse
@@ -37,7 +46,7 @@ import numpy as np
 from vllm_semmoe import scheduling
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.tables import build_tables, placement_device_counts
-from vllm_semmoe.trace import load_trace
+from vllm_semmoe.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 E, FOLDS, STREAMS = 8, 5, 16
@@ -69,16 +78,23 @@ def streams(num_requests, length, seed):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
-    parser.add_argument("--stream", type=int, default=1120,
-                        help="requests per drawn arrival stream (default 1120, the evaluation's size)")
+    parser.add_argument("--stream", type=int, default=None,
+                        help="requests per drawn arrival stream (default: the evaluation's size, the requests "
+                             "outside a seed's profile and, held out, the tuning split)")
     parser.add_argument("--legacy", action="store_true",
                         help="the procedure before 2026-12-03: the profile in arrival order, W = 64, the mean within 1.05x")
+    parser.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
+                        help="tune on the tuning split (default) or, with --no-hold-out-tuning, on each seed's profile")
     args = parser.parse_args()
     window = LEGACY_W if args.legacy else scheduling.balance_window(E)
     trace = load_trace(args.trace)
+    tuning = trace.tuning_split()[0]
+    length = args.stream or trace.split(0.2, 0, hold_out_tuning=args.hold_out_tuning)[1].num_requests
+    print(f"tuning on {'the tuning split' if args.hold_out_tuning else 'each seed profile'}; "
+          f"streams of {length} requests", flush=True)
     cases = []  # per seed: (votes, local, work, activations per request, stream indices)
     for seed in range(5):
-        profile, _ = trace.split(0.2, seed)
+        profile = tuning if args.hold_out_tuning else trace.split(0.2, seed)[0]
         placement = get_policy("semmoe").solve(profile, E, mode="dp", seed=seed)
         counts = placement_device_counts(profile.experts, placement)
         local = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), profile.offsets[:-1], axis=0)
@@ -87,10 +103,10 @@ def main() -> None:
         activations = np.diff(profile.offsets) * profile.num_layers * profile.top_k
         plain = cross_fitted_votes(profile, placement, seed, mode="tp").argmax(axis=1)
         rows = np.arange(profile.num_requests)
-        print(f"seed {seed}: {profile.num_requests} profiled requests; pure-locality LAR with IDF votes "
+        print(f"seed {seed}: {profile.num_requests} requests; pure-locality LAR with IDF votes "
               f"{local[rows, votes.argmax(axis=1)].sum() / activations.sum():.4f}, without "
               f"{local[rows, plain].sum() / activations.sum():.4f}", flush=True)
-        cases.append((votes, local, work, activations, streams(profile.num_requests, 0 if args.legacy else args.stream, seed)))
+        cases.append((votes, local, work, activations, streams(profile.num_requests, 0 if args.legacy else length, seed)))
     results = {}
     for balance, step in itertools.product((0.0, 4.0, 8.0, 16.0, 32.0, 64.0), (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)):
         lar, ratio = [], []  # per seed, the mean over its streams

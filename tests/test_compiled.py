@@ -123,7 +123,7 @@ def dp_tables(tmp_path_factory) -> Path:
 def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
     """TP 1, compiled, capture on: tokens equal the eager reference, and every step of every
     request is in the trace with routing for all 4 MoE layers."""
-    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.capture_store import load_trace
 
     capture = tmp_path / "capture.npz"
     result = _run_compiled(tmp_path, "tp1_capture", tp=1, semmoe={"capture": str(capture)})

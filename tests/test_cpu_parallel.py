@@ -253,7 +253,7 @@ def sharegpt_profile(tmp_path_factory: pytest.TempPathFactory):
     """The routing the shuffle tests solve their tables on: 80 ShareGPT prompts (#3000-3079,
     8 generated tokens each) captured in one process (TP=1), once per module."""
     from vllm_semmoe.prompts import load_prompts
-    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.engine import run_prompts
 
     path = tmp_path_factory.mktemp("sharegpt_profile") / "profile.npz"
@@ -808,7 +808,7 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_p
     from vllm_semmoe.evaluate import EvalConfig, evaluate
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
     runs = {}
@@ -904,10 +904,10 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sh
     greedy tokens equal TP=1's, the served routing gives the rule that choice to make (counted
     offline on the capture with the serving rule), and the live LAR of the engine's all-to-all
     is the offline replay's on the same steps, within 2 points."""
-    from vllm_semmoe.evaluate import EvalConfig, scheduled_devices
+    from vllm_semmoe.schedulers import EvalConfig, scheduled_devices
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.trace import load_trace
+    from vllm_semmoe.capture_store import load_trace
 
     placement = get_policy("semmoe").solve(sharegpt_profile, 4, mode="tp", redundant=1)
     tables = build_tables(sharegpt_profile, placement, mode="tp")

@@ -78,7 +78,9 @@ def _vllm_config(tp=1, dp=1, pp=1, ep=True, graphs="NONE", eager=False):
 @pytest.fixture()
 def configs(tmp_path):
     (tmp_path / "tables").mkdir()
-    make = lambda **kw: SemMoEConfig.from_additional_config({"semmoe": {"tables": str(tmp_path / "tables"), **kw}})
+    def make(**kw):
+        return SemMoEConfig.from_additional_config({"semmoe": {"tables": str(tmp_path / "tables"), **kw}})
+
     return SimpleNamespace(tp=make(mode="tp"), dp=make(mode="dp"), placement=make(),
                            capture=SemMoEConfig.from_additional_config({"semmoe": {"capture": str(tmp_path / "c.npz")}}))
 

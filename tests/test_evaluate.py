@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -139,7 +140,7 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
 def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
     """The TP evaluation decides layers on parallel threads (``EvalConfig.threads``): every
     token's device at every layer, and so every figure, equals the single-thread evaluation."""
-    import vllm_semmoe.evaluate as ev
+    import vllm_semmoe.schedulers as ev
 
     profile, trace = split
     placement = get_policy("semmoe").solve(profile, 8)
@@ -148,10 +149,75 @@ def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
     runs, original = {}, ev.for_each_layer
     for threads in (4, 1):
         used = []
-        monkeypatch.setattr(ev, "for_each_layer", lambda L, work, n: (used.append(n), original(L, work, n)))
-        runs[threads] = ev._tp_devices(trace, counts, tables, 8, EvalConfig(mode="tp", tp_history=history,
+        monkeypatch.setattr(ev, "for_each_layer", lambda L, work, n, used=used: (used.append(n), original(L, work, n)))
+        runs[threads] = ev.tp_devices(trace, counts, tables, 8, EvalConfig(mode="tp", tp_history=history,
                                                                                threads=threads))
         assert used == [threads]
     assert (runs[4][0] == runs[1][0]).all() and runs[4][1] == runs[1][1]
     assert ev.layer_threads(None, 26) == min(len(os.sched_getaffinity(0)), ev.MAX_LAYER_THREADS)
     assert ev.layer_threads(16, 3) == 3 and ev.layer_threads(0, 3) == 1
+
+
+SEEDS = [0, 1, 2, 3, 4]
+
+
+def test_no_seed_split_uses_the_tuning_split(dev_trace):
+    """The tuning split (the requests the knobs are chosen on) is in no seed's profile or
+    evaluation set; the profile keeps its share of the whole trace, the evaluation the rest."""
+    from vllm_semmoe.trace import TUNING_FRAC, TraceError
+
+    R = dev_trace.num_requests
+    tuning = set(dev_trace.request_ids[dev_trace.tuning_requests()])
+    assert len(tuning) == round(TUNING_FRAC * R) and len(set(dev_trace.request_ids)) == R
+    carved, rest = dev_trace.tuning_split()
+    assert set(carved.request_ids) == tuning and tuning.isdisjoint(rest.request_ids)
+    assert carved.num_tokens + rest.num_tokens == dev_trace.num_tokens
+    for seed in SEEDS:
+        profile, held_out = dev_trace.split(0.2, seed, hold_out_tuning=True)
+        assert tuning.isdisjoint(profile.request_ids) and tuning.isdisjoint(held_out.request_ids)
+        assert set(profile.request_ids).isdisjoint(held_out.request_ids)
+        assert profile.num_requests == round(0.2 * R)
+        assert profile.num_requests + held_out.num_requests == rest.num_requests
+    with pytest.raises(TraceError, match="outside the tuning split"):
+        dev_trace.split(1 - TUNING_FRAC / 2, 0, hold_out_tuning=True)
+
+
+def test_compare_seeds_profiles_and_evaluates_outside_the_tuning_split(dev_trace):
+    """``compare_seeds`` (the acceptance figures) solves on each seed's held-out profile (the
+    solve cache sees its fingerprint) and evaluates exactly the rest outside the tuning split
+    (the DP rank-load curve counts the evaluated requests and tokens)."""
+    from vllm_semmoe.evaluate import compare_seeds
+
+    keys = []
+
+    def cache(key, solve):
+        keys.append(key)
+        return solve()
+
+    rows = compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla"], EvalConfig(mode="dp"), solve_cache=cache)
+    curves = rows["vanilla"]["rank_load_curve"]["per_seed"]
+    assert len(keys) == len(curves) == len(SEEDS)
+    for seed, key, curve in zip(SEEDS, keys, curves):
+        profile, held_out = dev_trace.split(0.2, seed, hold_out_tuning=True)
+        assert profile.fingerprint() in key
+        assert curve["requests"][-1] == held_out.num_requests and sum(curve["tokens"][-1]) == held_out.num_tokens
+
+
+def test_cli_eval_holds_out_the_tuning_split_and_says_so(dev_trace, dev_trace_path, tmp_path, capsys):
+    from vllm_semmoe.cli import main
+
+    _, rest = dev_trace.tuning_split()
+    base = ["eval", "--profile", str(dev_trace_path), "--profile-frac", "0.2", "--mode", "dp", "--method", "vanilla"]
+    out = tmp_path / "one.json"
+    assert main([*base, "--seed", "3", "--json", str(out)]) == 0
+    assert "tuning split (the requests the knobs were chosen on) is held out" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["tuning_split_held_out"] is True
+    assert payload["profile_tokens"] + payload["eval_tokens"] == rest.num_tokens
+    assert main([*base, "--seeds", "0,1", "--json", str(out)]) == 0
+    for seed, curve in zip((0, 1), json.loads(out.read_text())["methods"]["vanilla"]["rank_load_curve"]["per_seed"]):
+        assert sum(curve["tokens"][-1]) == dev_trace.split(0.2, seed, hold_out_tuning=True)[1].num_tokens
+    assert main([*base, "--seed", "3", "--no-hold-out-tuning", "--json", str(out)]) == 0
+    assert "NOT held out" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["profile_tokens"] + payload["eval_tokens"] == dev_trace.num_tokens

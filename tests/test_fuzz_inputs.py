@@ -17,7 +17,8 @@ from vllm_semmoe.capture_store import SegmentWriter, encode_step
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.synthetic import synthetic_trace
 from vllm_semmoe.tables import TablesError, build_tables, load_tables
-from vllm_semmoe.trace import RoutingTrace, TraceError, load_trace
+from vllm_semmoe.trace import RoutingTrace, TraceError
+from vllm_semmoe.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
 
 FUZZ = settings(max_examples=150, deadline=None,

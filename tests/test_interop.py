@@ -17,7 +17,8 @@ from vllm_semmoe.interop import (check_physical_to_logical, expert_devices, impo
                                  save_vllm_routed_experts, sglang_expert_location, vllm_eplb_record)
 from vllm_semmoe.placement import PlacementError
 from vllm_semmoe.tables import load_tables
-from vllm_semmoe.trace import TraceError, load_trace
+from vllm_semmoe.trace import TraceError
+from vllm_semmoe.capture_store import load_trace
 
 DENSE = 1  # DeepSeek-V2-Lite: model layer 0 is dense (first_k_dense_replace = 1)
 

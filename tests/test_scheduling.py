@@ -90,7 +90,7 @@ def test_tp_expert_scores_follow_the_earlier_experts():
     """Two devices, experts 0-1 on device 0 and 2-3 on device 1. Earlier expert 0 predicts
     experts 0-1 here, earlier expert 2 predicts 2-3; T2D is flat, so the earlier experts decide,
     and with no history (or zero weights) the scores are T2D's."""
-    N, E = 4, 2
+    N = 4
     holds = np.array([[1, 0], [1, 0], [0, 1], [0, 1]], np.float32)
     prior = np.full(N, 0.25)
     follow = np.array([[0.45, 0.45, 0.05, 0.05], [0.25] * 4, [0.05, 0.05, 0.45, 0.45], [0.25] * 4])

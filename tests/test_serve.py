@@ -88,7 +88,7 @@ def test_completions_and_chat_under_concurrent_load(server):
         results = [f.result(timeout=300) for f in futures]
     failed = [(status, body) for status, body in results if status != 200]
     assert not failed, failed[:3]
-    for status, body in results:
+    for _status, body in results:
         choice = body["choices"][0]
         text = choice["text"] if "text" in choice else choice["message"]["content"]
         assert isinstance(text, str) and body["usage"]["completion_tokens"] >= 1

@@ -10,7 +10,10 @@ Every figure is counted per (token, layer, expert) activation:
   tokens per rank over the whole evaluation); ``expert_imbalance``: max/mean expert activations
   served per device, averaged over layers (with replicas, an activation is served by the copy on
   the token's device if there is one, else by the copy :meth:`.placement.Placement.serving_device`
-  picks, the rule ``bench-ep`` moves tokens by).
+  picks, the rule ``bench-ep`` moves tokens by; the ``eplb`` method's replicated placement
+  without tables is served as vLLM's EPLB serves it, each copy picked by a hash of the token's
+  row in its rank's batch wherever the token is, :func:`.policy.eplb.vllm_serving_device`, and
+  ``lar`` counts the activations whose picked copy is on the token's device).
 - DP only, the lock-step balance over windows of ``W = 32 × ranks`` consecutive requests
   (:func:`.scheduling.window_imbalance`), with work = prompt tokens + a decode weight
   (:func:`.scheduling.request_work`): ``window_imbalance`` of the method's rank choice, and on
@@ -25,71 +28,49 @@ default — TP: the reduce-scatter's contiguous slices; DP: requests dealt round
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import time
-from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from . import scheduling
 from .modes import ServingMode, serving_mode
 from .placement import Placement
 from .policy import get_policy
-from .tables import SemMoETables, build_tables, majority_device, placement_device_counts
-from .trace import RoutingTrace
-
-DEFAULT_DP_BALANCE = scheduling.DEFAULT_DP_BALANCE  # the knobs' defaults, :attr:`EvalConfig.dp_balance`
-DEFAULT_DP_PRICE_STEP = scheduling.DEFAULT_DP_PRICE_STEP  # and :attr:`EvalConfig.dp_price_step`
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """How the online side is simulated."""
-
-    mode: str = ServingMode.TP  # a serving mode, "tp" or "dp" (:mod:`.modes`)
-    batch_tokens: int = 512  # TP: tokens per forward batch (requests packed in arrival order);
-    # 0 = one batch per request of the trace (a live capture in engine-step order)
-    dp_window: int | None = None  # DP: requests in a balance window; None = 32 × ranks
-    dp_balance: float = DEFAULT_DP_BALANCE  # DP: proportional balance knob (scheduling.dp_choose_balanced):
-    # votes per unit of work a request pays per mean request of work above the least-loaded rank
-    dp_price_step: float = DEFAULT_DP_PRICE_STEP  # DP: step of the online per-rank prices (same function)
-    round_robin_mask: bool = False  # DP: the paper's mask instead of the work rule
-    tp_history: str = "experts"  # TP: what the scheduler conditions on besides T2D: "experts" (the
-    # token's experts at the two previous layers, the X table, where the tables have it) or
-    # "devices" (the paper's A table over the two previous layers' majority devices)
-    tp_evidence_weights: tuple = scheduling.TP_EVIDENCE_WEIGHTS  # TP, "experts": see
-    # scheduling.tp_expert_scores (what the engine uses is the default)
-    dp_decode_weight: float | None = None  # DP: decode work per request (None: profile's mean
-    # output length where the profile has decode tokens, else scheduling.DEFAULT_DECODE_WEIGHT)
-    threads: int | None = None  # TP: layers decided at once on threads (None: one per CPU, at
-    # most MAX_LAYER_THREADS; 1 where the caller shares its CPUs, e.g. the plugin's live meter)
-
-    def window(self, ep_size: int) -> int:
-        return scheduling.balance_window(ep_size) if self.dp_window is None else int(self.dp_window)
+from .policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
+from .tables import SemMoETables, build_tables, placement_device_counts
+from .schedulers import (EvalConfig, batch_starts, check_inputs_fit,
+                         decode_weight, dp_ranks, request_devices, tp_devices)
+from .trace import RoutingTrace, check_fit
 
 
 def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
              config: EvalConfig) -> dict:
-    """Metrics of ``placement`` on ``trace``, scheduled with ``tables`` (or the default)."""
+    """Metrics of ``placement`` on ``trace``, scheduled with ``tables`` (or the default).
+    Raises :class:`.trace.TraceMismatch` if they are for different model shapes."""
+    check_inputs_fit(trace, placement, tables)
     mode = serving_mode(config.mode)
     E = placement.ep_size
     counts = placement_device_counts(trace.experts, placement)  # [T, L, E]
     extra = {}
     if mode == ServingMode.TP:
-        device, imbalance = _tp_devices(trace, counts, tables, E, config)
+        device, imbalance = tp_devices(trace, counts, tables, E, config)
         oracle = counts.max(axis=2).sum()
     else:
-        rank, imbalance = _dp_ranks(trace, tables, E, config)
+        rank, imbalance = dp_ranks(trace, tables, E, config)
         extra = dp_balance(trace, rank, E, config)
-        device = _request_devices(trace, rank)
+        device = request_devices(trace, rank)
         per_request = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), trace.offsets[:-1], axis=0)
         oracle = per_request.max(axis=1).sum()
     local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
     activations = counts.size // E * trace.top_k
     if placement.redundant:
-        serving = placement.serving_device(trace.experts, device)  # [T, L, K]
+        if tables is None and served_by_vllm_eplb(placement):  # vLLM's EPLB: copies by token hash
+            serving = vllm_serving_device(placement.physical_to_logical(), E, trace.experts,
+                                          rank_rows(device, batch_starts(trace, config)))
+            local = (serving == device[:, :, None]).sum(axis=2)
+        else:
+            serving = placement.serving_device(trace.experts, device)  # [T, L, K]
         expert_load = np.stack([np.bincount(serving[:, l].ravel(), minlength=E) for l in range(trace.num_layers)])
     else:
         expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
@@ -105,31 +86,6 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     if config.mode == ServingMode.DP:
         out["rank_load_curve"] = rank_load_curve(rank, np.diff(trace.offsets), E)
     return out
-
-
-def scheduled_devices(trace: RoutingTrace, placement: Placement, tables: SemMoETables | None,
-                      config: EvalConfig) -> np.ndarray:
-    """``[T, L]`` int64 device each token is processed on at each layer under ``config``'s
-    data scheduling (Sem-MoE's with ``tables``, else the engines' default)."""
-    if config.mode == ServingMode.TP:
-        counts = placement_device_counts(trace.experts, placement)
-        return _tp_devices(trace, counts, tables, placement.ep_size, config)[0]
-    return _request_devices(trace, _dp_ranks(trace, tables, placement.ep_size, config)[0])
-
-
-def _request_devices(trace: RoutingTrace, rank: np.ndarray) -> np.ndarray:
-    """``[T, L]``: every token of request ``r`` on ``rank[r]`` at every layer."""
-    return np.repeat(rank, np.diff(trace.offsets))[:, None].repeat(trace.num_layers, 1)
-
-
-def decode_weight(profile: RoutingTrace | None, config: "EvalConfig") -> float:
-    """Decode work per request: ``config.dp_decode_weight``, else the profile's mean generated
-    tokens per request where it recorded decode, else :data:`.scheduling.DEFAULT_DECODE_WEIGHT`."""
-    if config.dp_decode_weight is not None:
-        return float(config.dp_decode_weight)
-    if profile is not None and profile.is_decode is not None and profile.is_decode.any():
-        return float(profile.is_decode.sum() / max(profile.num_requests, 1))
-    return scheduling.DEFAULT_DECODE_WEIGHT
 
 
 def dp_balance(trace: RoutingTrace, rank: np.ndarray, ep_size: int, config: "EvalConfig") -> dict:
@@ -161,122 +117,6 @@ def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points:
     return {"requests": (at + 1).tolist(), "tokens": cumulative[at].tolist()}
 
 
-def _tp_devices(trace, counts, tables, ep_size, config):
-    """``([T, L] device per token and layer, mean per-batch token imbalance)``.
-
-    Batches are ``config.batch_tokens`` consecutive tokens, or the trace's requests when it is 0
-    (a step-ordered live capture, where each "request" is one engine step).
-    """
-    T, L = trace.num_tokens, trace.num_layers
-    starts = trace.offsets[:-1] if config.batch_tokens == 0 else np.arange(0, T, config.batch_tokens)
-    ends = np.append(starts[1:], T)
-    device = np.empty((T, L), np.int64)
-    if tables is None:
-        for s, e in zip(starts, ends):
-            device[s:e] = scheduling.contiguous_slices(e - s, ep_size)[:, None]
-        return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
-    if config.tp_history not in ("experts", "devices"):
-        raise ValueError(f"tp_history must be 'experts' or 'devices', got {config.tp_history!r}")
-    rows = tables.token_rows(trace.tokens)
-    t2d = tables.t2d_score.astype(np.float32)
-    if config.tp_history == "experts" and tables.transition is not None:
-        evidence, log_prior = tables.log_evidence(), tables.log_expert_prior()
-        holds = tables.placement.holds().astype(np.float32)
-        weights = np.asarray(config.tp_evidence_weights, np.float64)
-        experts = trace.experts.astype(np.int64)
-
-        def layer_scores(l):
-            return scheduling.tp_expert_scores(rows, previous_experts(experts, l), t2d[l], tables.oov_score[l],
-                                               evidence[l], log_prior[l], holds[l], weights)
-    else:
-        major = majority_device(counts)
-        history = np.full((T, L), -1, np.int64)
-        history[:, 2:] = major[:, :-2] * ep_size + major[:, 1:-1]
-
-        def layer_scores(l):
-            return scheduling.tp_layer_scores(rows, history[:, l], t2d[l], tables.oov_score[l], tables.markov[l],
-                                              scheduling.COMBINE_PRODUCT)
-
-    def decide_layer(l):
-        scores = layer_scores(l)
-        for s, e in zip(starts, ends):
-            device[s:e, l] = scheduling.align(scores[s:e], scheduling.slice_capacity(e - s, ep_size))
-
-    for_each_layer(L, decide_layer, layer_threads(config.threads, L))
-    return device, _batch_imbalance_kernel(device, starts.astype(np.int64), ep_size)
-
-
-#: at most this many layers at once (each holds its ``[T, E]`` scores and ``[T, 2, K]`` history)
-MAX_LAYER_THREADS = 8
-
-
-def layer_threads(threads: int | None, num_layers: int) -> int:
-    """``threads`` (:attr:`EvalConfig.threads`) resolved: ``None`` is one per CPU this process
-    may run on, at most :data:`MAX_LAYER_THREADS`; never more than the layers."""
-    if threads is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = min(cpus, MAX_LAYER_THREADS)
-    return max(1, min(int(threads), num_layers))
-
-
-def for_each_layer(num_layers: int, work, threads: int) -> None:
-    """``work(l)`` for every layer, on ``threads`` threads: the layers' decisions are independent
-    and their Numba kernels release the GIL (the result does not depend on the number of
-    threads)."""
-    if threads <= 1:
-        for l in range(num_layers):
-            work(l)
-        return
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="semmoe-eval") as pool:
-        list(pool.map(work, range(num_layers)))  # list(): re-raise a layer's exception here
-
-
-def previous_experts(experts: np.ndarray, layer: int) -> np.ndarray:
-    """``[T, 2, K]`` int64: each token's experts at ``layer - 1`` and ``layer - 2`` (``-1`` before
-    the first layer), the history :func:`.scheduling.tp_expert_scores` takes. experts ``[T, L, K]``."""
-    T, _, K = experts.shape
-    prev = np.full((T, 2, K), -1, np.int64)
-    for j in (1, 2):
-        if layer - j >= 0:
-            prev[:, j - 1] = experts[:, layer - j]
-    return prev
-
-
-@numba.njit(cache=True)
-def _batch_imbalance_kernel(device, starts, ep_size):
-    T, L = device.shape
-    total = 0.0
-    n = 0
-    for i in range(len(starts)):
-        s = starts[i]
-        e = starts[i + 1] if i + 1 < len(starts) else T
-        for l in range(L):
-            load = np.zeros(ep_size)
-            for t in range(s, e):
-                load[device[t, l]] += 1
-            total += load.max() / load.mean()
-            n += 1
-    return total / n
-
-
-def _dp_ranks(trace, tables, ep_size, config):
-    """``([R] rank per request, mean per-window max/mean token load)``."""
-    lengths = np.diff(trace.offsets).astype(np.float64)
-    R = trace.num_requests
-    if tables is None:
-        rank = scheduling.round_robin_assign(R, ep_size)
-    else:
-        votes = scheduling.request_votes(
-            tables.token_rows(trace.tokens), trace.offsets, tables.t2d_score.astype(np.float32),
-            tables.oov_score,
-        )
-        work = scheduling.request_work(lengths, decode_weight(None, config))
-        rank = scheduling.dp_assign(votes, work, config.dp_balance, config.window(ep_size),
-                                    config.round_robin_mask, config.dp_price_step)
-    load = np.bincount(rank, weights=lengths, minlength=ep_size)
-    return rank, float(load.max() / load.mean())
-
-
 def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, methods: list[str],
                     config: EvalConfig, *, seed: int = 0, redundant: int = 0, progress=None,
                     solve_cache=None, embedding: np.ndarray | None = None,
@@ -299,6 +139,8 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
     registry's policy of that name, e.g. a Sem-MoE variant under its own row (and cache) name;
     a row is deployed with its tables when its policy is Sem-MoE's.
     """
+    check_fit(profile, trace, names=("the profile trace", "the evaluation trace"),
+              hint="profile and evaluate on routing of the same model")
     config = _with_decode_weight(config, profile)
     rows = {}
     for name in methods:
@@ -338,12 +180,14 @@ def _with_decode_weight(config: EvalConfig, profile: RoutingTrace) -> EvalConfig
 
 def compare_seeds(trace: RoutingTrace, profile_frac: float, seeds: list[int], ep_size: int,
                   methods: list[str], config: EvalConfig, *, redundant: int = 0, progress=None,
-                  solve_cache=None, policies: dict | None = None) -> dict[str, dict]:
-    """:func:`compare_methods` on the request split of every seed (profile ``profile_frac``,
-    evaluate the rest; the seed also seeds the solvers), aggregated by :func:`aggregate_seeds`."""
+                  solve_cache=None, policies: dict | None = None, hold_out_tuning: bool = True) -> dict[str, dict]:
+    """:func:`compare_methods` on the request split of every seed (profile ``profile_frac`` of the
+    trace's requests, evaluate the rest; the seed also seeds the solvers), aggregated by
+    :func:`aggregate_seeds`. With ``hold_out_tuning`` (the default) no split uses the tuning
+    split's requests, the ones the knobs were chosen on (:data:`.trace.TUNING_FRAC`)."""
     per_seed = []
     for seed in seeds:
-        profile, held_out = trace.split(profile_frac, seed)
+        profile, held_out = trace.split(profile_frac, seed, hold_out_tuning=hold_out_tuning)
         per_seed.append(compare_methods(profile, held_out, ep_size, methods, config, seed=seed,
                                         redundant=redundant, progress=progress, solve_cache=solve_cache,
                                         policies=policies))
@@ -379,7 +223,6 @@ def placement_cache(directory: str):
     under ``directory``, keyed by the solve's inputs and a hash of the solver's source files
     (so an edited solver never reads a stale placement)."""
     import hashlib
-    import os
     from pathlib import Path
 
     from . import policy as policy_pkg

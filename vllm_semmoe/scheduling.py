@@ -68,7 +68,8 @@ def tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine):
 
 
 #: default weights of :func:`tp_expert_scores`: (T2D exponent, lag-1 weight, lag-2 weight),
-#: chosen on a split of the seed-0 profile only (``scripts/tune_tp_evidence.py``)
+#: chosen on a 50/50 split of the tuning split only (``trace.TUNING_FRAC``,
+#: ``scripts/tune_tp_evidence.py``)
 TP_EVIDENCE_WEIGHTS = (0.3, 0.3, 0.2)
 
 
@@ -415,10 +416,10 @@ def request_votes(rows, offsets, t2d_score, oov_score):
 DEFAULT_DECODE_WEIGHT = 128.0
 
 #: defaults of the DP rule's two balance knobs (:func:`dp_choose_balanced`), chosen on the
-#: profiled requests only, on arrival streams drawn from them and balanced over the deployed
-#: window (``scripts/tune_dp_price.py``; see benchmarks/SEEDS.md)
-DEFAULT_DP_BALANCE = 4.0
-DEFAULT_DP_PRICE_STEP = 0.3
+#: tuning split only (``trace.TUNING_FRAC``), on arrival streams drawn from it and balanced over
+#: the deployed window (``scripts/tune_dp_price.py``; see benchmarks/SEEDS.md)
+DEFAULT_DP_BALANCE = 32.0
+DEFAULT_DP_PRICE_STEP = 0.2
 
 
 def request_work(lengths: np.ndarray, decode_weight: float = DEFAULT_DECODE_WEIGHT) -> np.ndarray:

@@ -8,7 +8,8 @@ import os
 import time
 
 from ..modes import MODES, ServingMode
-from .output import Progress, add_json_argument, add_redundant_argument, cell, write_json
+from .output import (Progress, add_json_argument, add_redundant_argument, cell, non_negative_int, positive_int,
+                     write_json)
 
 DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
 COLUMNS = ("lar", "lar_token", "oracle_lar", "lar_with_semmoe_sched", "a2a_ratio", "imbalance",
@@ -39,20 +40,35 @@ def method_list(value: str) -> list[str]:
 
 def load_split(args):
     """(profile, evaluation) traces from ``--profile/--eval`` or ``--profile-frac/--seed``."""
-    from ..trace import load_trace
+    from ..trace import check_fit
+    from ..capture_store import load_trace
 
     profile = load_trace(args.profile)
     if args.eval:
         if args.profile_frac is not None:
             raise SystemExit("semmoe: give either --eval or --profile-frac, not both")
-        return profile, load_trace(args.eval)
-    return profile.split(args.profile_frac if args.profile_frac is not None else 0.2, args.seed)
+        trace = load_trace(args.eval)
+        check_fit(profile, trace, names=(f"--profile {args.profile}", f"--eval {args.eval}"),
+                  hint="profile and evaluate on traces of the same model")
+        return profile, trace
+    return profile.split(args.profile_frac if args.profile_frac is not None else 0.2, args.seed,
+                         hold_out_tuning=args.hold_out_tuning)
+
+
+def add_tuning_argument(p) -> None:
+    """``--hold-out-tuning`` (default) / ``--no-hold-out-tuning`` of a command that splits a trace."""
+    from ..trace import TUNING_FRAC
+
+    p.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"split only the requests outside the tuning split ({TUNING_FRAC * 100:.0f}%% of the trace's "
+                        "requests, fixed; the knobs were chosen on it), so no figure is measured on them "
+                        "(default: on; the rule: vllm_semmoe.trace.TUNING_FRAC)")
 
 
 # ---- analyze -----------------------------------------------------------------------------------
 def cmd_analyze(args) -> int:
     from ..affinity import affinity_report
-    from ..trace import load_trace
+    from ..capture_store import load_trace
 
     reports = {}
     for path in args.trace:
@@ -104,10 +120,12 @@ def format_affinity_table(report: dict) -> str:
 def cmd_solve(args) -> int:
     from ..policy import get_policy
     from ..tables import build_tables
-    from ..trace import load_trace
+    from ..capture_store import load_trace
 
     trace = load_trace(args.trace)
-    profile = trace.split(args.profile_frac, args.seed)[0] if args.profile_frac else trace
+    embedding = _embedding(args, [(f"--trace {args.trace}", trace)])
+    profile = (trace.split(args.profile_frac, args.seed, hold_out_tuning=args.hold_out_tuning)[0]
+               if args.profile_frac else trace)
     start = time.perf_counter()
     if args.placement:
         if args.redundant:
@@ -117,7 +135,7 @@ def cmd_solve(args) -> int:
         placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed,
                                                   redundant=args.redundant, progress=Progress())
     solve_s = time.perf_counter() - start
-    tables = build_tables(profile, placement, mode=args.mode, embedding=_embedding(args))
+    tables = build_tables(profile, placement, mode=args.mode, embedding=embedding)
     tables.save(args.out)
     replicas = (f", {placement.redundant} redundant slot(s) per device ({placement.experts_per_device} "
                 f"physical experts per rank)" if placement.redundant else "")
@@ -135,13 +153,11 @@ def placement_from_file(args, profile):
     """``solve --placement FILE``: an engine's static layout (what ``semmoe export`` writes, or
     SGLang's / vLLM's own EPLB output) instead of a solver's, checked against the trace's shape."""
     from ..interop import load_placement_file
-    from ..placement import PlacementError
+    from ..trace import check_fit
 
-    loaded = load_placement_file(args.placement, args.ep, dense_layers=args.dense_layers,
-                                 num_experts=profile.num_experts)
-    if loaded.p2l.shape[0] != profile.num_layers:
-        raise PlacementError(f"{args.placement}: {loaded.p2l.shape[0]} MoE layers but the trace has "
-                             f"{profile.num_layers}; SGLang files count dense layers too (--dense-layers)")
+    loaded = load_placement_file(args.placement, args.ep, dense_layers=args.dense_layers)
+    check_fit(profile, loaded, names=(f"--trace {args.trace}", f"--placement {args.placement}"),
+              hint="both must come from the same model; SGLang files count dense layers too (--dense-layers)")
     return loaded.placement(method=f"{loaded.fmt}-file")
 
 
@@ -181,6 +197,9 @@ def cmd_eval(args) -> int:
     for seed in seeds:
         args.seed = seed
         profile, trace = load_split(args)
+        if embedding is not None:
+            held_out = f"--eval {args.eval}" if args.eval else f"--profile {args.profile}"
+            check_embedding_fit(embedding, args, [(f"--profile {args.profile}", profile), (held_out, trace)])
         split = split or (profile, trace)
         per_seed.append(compare_methods(profile, trace, args.ep, args.method, config, seed=seed,
                                         redundant=args.redundant, progress=Progress(),
@@ -199,6 +218,8 @@ def cmd_eval(args) -> int:
         payload = {"mode": args.mode, "ep": args.ep, "redundant": args.redundant,
                    "oov": "nearest" if embedding is not None else "prior",
                    "config": replace(config).__dict__, "methods": rows}
+        if not args.eval:
+            payload["tuning_split_held_out"] = args.hold_out_tuning
         if args.seeds:
             payload["seeds"] = seeds
         else:
@@ -209,13 +230,26 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _embedding(args):
-    """The ``--oov-neighbours`` checkpoint's input embedding matrix, or ``None``."""
+def _embedding(args, traces=()):
+    """The ``--oov-neighbours`` checkpoint's input embedding matrix, or ``None``; checked against
+    ``traces`` (``(name, trace)`` pairs) by :func:`check_embedding_fit`."""
     if not getattr(args, "oov_neighbours", None):
         return None
     from ..affinity import checkpoint_embedding
 
-    return checkpoint_embedding(args.oov_neighbours)
+    embedding = checkpoint_embedding(args.oov_neighbours)
+    check_embedding_fit(embedding, args, traces)
+    return embedding
+
+
+def check_embedding_fit(embedding, args, traces) -> None:
+    """Every trace's token ids have a row in the ``--oov-neighbours`` checkpoint's embedding;
+    ``traces``: ``(name, trace)`` pairs."""
+    from ..trace import check_fit
+
+    for name, trace in traces:
+        check_fit(trace, embedding, names=(name, f"--oov-neighbours {args.oov_neighbours}"),
+                  hint="give the checkpoint of the model that produced the trace")
 
 
 def _dp_curve(profile, trace, args, config, seed) -> dict:
@@ -260,6 +294,14 @@ def format_eval_table(rows: dict, args, profile, trace) -> str:
                 f"{profile.num_tokens} tokens, evaluation {trace.num_requests} requests / {trace.num_tokens} tokens")
     if getattr(args, "redundant", 0):
         head += f"; {args.redundant} redundant slot(s) per device where the method replicates"
+    from ..capture_store import coverage_text
+
+    head += f"\nrouting coverage: profile {coverage_text(profile)}; evaluation {coverage_text(trace)}"
+    if hasattr(args, "hold_out_tuning") and not getattr(args, "eval", None):
+        head += ("\nthe tuning split (the requests the knobs were chosen on) is held out: no profile or evaluation "
+                 "request is from it" if args.hold_out_tuning else
+                 "\nthe tuning split is NOT held out (--no-hold-out-tuning): figures include the requests the "
+                 "knobs were chosen on")
     width = lambda c: max(len(c), 15 if multi else 9) + 2  # noqa: E731
     lines = [head, f"{'method':<12}" + "".join(f"{c:>{width(c)}}" for c in COLUMNS)]
     for name, row in rows.items():
@@ -291,24 +333,26 @@ def format_curve(curve: dict) -> str:
 # ---- parsers -----------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """Register ``analyze``, ``solve`` and ``eval`` on the ``semmoe`` sub-parser set."""
-    from ..evaluate import DEFAULT_DP_BALANCE, DEFAULT_DP_PRICE_STEP
+    from ..schedulers import DEFAULT_DP_BALANCE, DEFAULT_DP_PRICE_STEP
 
     methods = method_names()
 
     p = sub.add_parser("analyze", help="token→expert affinity evidence of routing traces (side by side)")
     p.add_argument("trace", nargs="+", help=f"routing trace .npz (e.g. {DEFAULT_TRACE_HINT})")
-    p.add_argument("--min-count", type=int, default=20, help="only tokens seen at least this often (default 20)")
+    p.add_argument("--min-count", type=positive_int, default=20,
+                   help="only tokens seen at least this often (default 20)")
     add_json_argument(p, "the table")
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("solve", help="solve an expert placement and write the lookup tables")
     p.add_argument("--trace", required=True, help="profiling routing trace .npz")
-    p.add_argument("--ep", type=int, required=True, help="expert-parallel size E")
+    p.add_argument("--ep", type=positive_int, required=True, help="expert-parallel size E")
     p.add_argument("--method", default="semmoe", choices=methods, help="placement method")
     p.add_argument("--mode", default="tp", choices=MODES, help="serving mode the tables are for")
     p.add_argument("--profile-frac", type=float, default=None,
                    help="profile only on this seeded fraction of the requests (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="split and solver seed")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="split and solver seed")
+    add_tuning_argument(p)
     add_redundant_argument(p)
     p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
@@ -316,7 +360,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", required=True, help="output directory for tables.npz + manifest.json")
     p.add_argument("--placement", help="take the placement from this SGLang --init-expert-location or vLLM "
                                        "offline-EPLB file instead of solving (--method is then ignored)")
-    p.add_argument("--dense-layers", type=int, default=0,
+    p.add_argument("--dense-layers", type=non_negative_int, default=0,
                    help="with an SGLang --placement file: leading model layers without experts to skip")
     add_json_argument(p, "the tables' manifest and solve time")
     p.set_defaults(func=cmd_solve)
@@ -324,25 +368,28 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("eval", help="compare placements and schedules on held-out routing")
     p.add_argument("--profile", required=True, help="routing trace to profile on")
     p.add_argument("--eval", help="routing trace to evaluate on (default: split --profile by request)")
-    p.add_argument("--profile-frac", type=float, default=None, help="profile share of a request split (default 0.2)")
-    p.add_argument("--seed", type=int, default=0, help="split and solver seed")
+    p.add_argument("--profile-frac", type=float, default=None,
+                   help="profile share of the trace's requests in a request split (default 0.2; drawn from "
+                        "outside the tuning split, see --hold-out-tuning)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="split and solver seed")
     p.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
                    help="evaluate on every seed's split and report each figure as mean ± sd "
                         "(JSON: {'mean', 'sd', 'per_seed'}); e.g. 0,1,2,3,4")
+    add_tuning_argument(p)
     add_redundant_argument(p)
     p.add_argument("--oov-neighbours", metavar="MODEL_DIR", default=None,
                    help="map tokens never profiled to their nearest profiled token in this checkpoint's "
                         "input-embedding space (the paper's rule; default: the layer prior)")
-    p.add_argument("--ep", type=int, default=8, help="expert-parallel size E")
+    p.add_argument("--ep", type=positive_int, default=8, help="expert-parallel size E")
     p.add_argument("--mode", default="tp", choices=MODES, help="serving mode simulated")
     p.add_argument("--method", default="all", type=method_list,
                    help=f"'all' or comma-separated of: {', '.join(methods)}")
-    p.add_argument("--batch-tokens", type=int, default=512, help="TP: tokens per forward batch (default 512)")
+    p.add_argument("--batch-tokens", type=positive_int, default=512, help="TP: tokens per forward batch (default 512)")
     p.add_argument("--tp-history", choices=("experts", "devices"), default="experts",
                    help="TP: what semmoe's scheduler conditions on besides T2D: the token's experts at the "
                         "two previous layers (the X table; default) or the paper's A table over the two "
                         "previous layers' majority devices")
-    p.add_argument("--dp-window", type=int, default=None,
+    p.add_argument("--dp-window", type=positive_int, default=None,
                    help="DP: requests per balance window (default 32 x ranks)")
     p.add_argument("--dp-balance", type=float, default=DEFAULT_DP_BALANCE,
                    help="DP: proportional balance knob: votes per unit of work a request pays per mean request "

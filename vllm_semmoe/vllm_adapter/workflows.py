@@ -1,38 +1,17 @@
-"""End-to-end jobs on a real vLLM engine: profiling and the demo (called by the CLI)."""
+"""The demo: the whole pipeline on a real vLLM engine (called by the CLI)."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-from ..capture_store import compact_capture
 from ..evaluate import EvalConfig, evaluate
 from ..policy import get_policy
 from ..prompts import load_prompts
 from ..tables import build_tables
-from ..trace import load_trace
+from ..capture_store import load_trace
 from .engine import run_prompts
-
-
-def _say(message: str) -> None:
-    print(f"[semmoe] {message}", file=sys.stderr, flush=True)
-
-
-def profile(model: str, dataset: str, num_prompts: int, out: str, *, skip: int = 0, max_tokens: int = 16,
-            max_model_len: int = 512, tables: str | None = None, **llm_kwargs) -> dict:
-    """Run prompts through vLLM with capture on and write the routing trace to ``out``."""
-    prompts = load_prompts(dataset, num_prompts, skip=skip)
-    _say(f"profiling {len(prompts)} prompts from {dataset} on {model}")
-    semmoe = {"capture": os.path.abspath(out)}
-    if tables:
-        semmoe["tables"] = tables
-    _, summary = run_prompts(model, prompts, max_tokens=max_tokens, semmoe=semmoe,
-                             max_model_len=max_model_len, **llm_kwargs)
-    trace = compact_capture(out)  # the engine has stopped: one .npz instead of its parts
-    _say(f"wrote {out}: {trace.num_requests} requests, {trace.num_tokens} tokens "
-         f"({int(trace.is_decode.sum())} decode), {trace.num_layers} MoE layers x {trace.num_experts} experts")
-    return summary
+from .profiling import profile, say
 
 
 def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_prompts: int = 300,
@@ -64,7 +43,7 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
     prompts = load_prompts(dataset, eval_prompts, skip=skip + profile_prompts)
     methods = {}
     for method, policy in (("vanilla", "vllm"), ("semmoe", "semmoe")):
-        _say(f"{method}: serving {len(prompts)} other prompts on DP {executed_dp} + EP engines")
+        say(f"{method}: serving {len(prompts)} other prompts on DP {executed_dp} + EP engines")
         run = run_bench_serve(model, dataset, os.path.join(workdir, "executed_ep"), dp=executed_dp, policy=policy,
                               num_prompts=eval_prompts, concurrency=16, max_tokens=max_tokens,
                               profile_trace=profile_path, profile_prompts=profile_prompts, skip=skip, dtype=dtype,
@@ -79,7 +58,7 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
         tables = build_tables(profile_trace, placement, mode="tp")
         tables.save(tables_dir)
         solve_s = time.perf_counter() - solve_start
-        _say(f"{method}: EP {ep_size} placement solved in {solve_s:.1f} s; generating {len(prompts)} prompts "
+        say(f"{method}: EP {ep_size} placement solved in {solve_s:.1f} s; generating {len(prompts)} prompts "
              "on one device")
         capture = os.path.join(workdir, f"served_{method}.npz")
         _, summary = run_prompts(model, prompts, max_tokens=max_tokens,
