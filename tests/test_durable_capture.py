@@ -3,10 +3,12 @@
 The server tests start ``semmoe serve`` on the embedded tiny MoE with ``--capture`` (one engine,
 and DP 2 + EP), keep requests in flight, stop the server with SIGTERM (to the server process,
 as ``kill``/``docker stop`` do) or SIGINT (to its process group, as Ctrl-C does) under vLLM's
-default shutdown timeout (0 s: engines are killed without a flush), and check that the capture
-holds the prompt token ids of every request that completed before the signal.
+default shutdown timeout (0 s: engines are killed without a flush), or kill its engine
+processes with SIGKILL (``kill -9``: nothing of theirs runs after it), and check that the capture
+is readable and holds the prompt token ids of every request that completed before the signal.
 
-``--enforce-eager`` until capture under vLLM's default compiled mode lands (issue 8).
+The servers run ``--enforce-eager`` (an eager engine starts faster); captures of compiled
+engines are served in ``tests/test_dp_routing.py``.
 """
 
 import concurrent.futures
@@ -20,6 +22,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import psutil
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
@@ -27,11 +30,12 @@ from vllm_semmoe.capture_store import SegmentWriter, compact_capture, parts_dir,
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.synthetic import synthetic_trace
 from vllm_semmoe.tables import build_tables
-from vllm_semmoe.trace import TraceError, load_trace
+from vllm_semmoe.trace import TraceError
+from vllm_semmoe.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.bench_serve import free_port, wait_healthy
 
 L, N, K, V = 3, 16, 2, 50
-GRACE_S = 20  # after the signal, as a supervisor would wait before SIGKILL (docker stop: 10 s)
+GRACE_S = 10  # after the signal, as a supervisor waits before SIGKILL (docker stop: 10 s)
 
 
 def _step(rng, names, prompt_len, positions):
@@ -171,12 +175,21 @@ def dp_tables(tmp_path_factory):
     return out
 
 
-# Each signal and each layout once (a server start costs 1-3 minutes on the 2-core VM): SIGTERM
-# reaches the API server only, which stops its engine; SIGINT reaches every process of the group
-# at once, the harder case, taken with the most processes (DP 2 + EP: two engines, two workers,
-# two API servers, the coordinator). Either way the capture's durability is the same mechanism:
-# each step's record is handed to the OS when the step ends, whoever dies first.
-@pytest.mark.parametrize("dp,sig", [(1, signal.SIGTERM), (2, signal.SIGINT)], ids=["one-engine-SIGTERM", "dp2-ep-SIGINT"])
+def _engine_processes(server_pid: int) -> list:
+    """The processes the API server started (engine core, workers): its descendants."""
+    return psutil.Process(server_pid).children(recursive=True)
+
+
+# Each signal once, each layout once (a server start costs 1-3 minutes on the 2-core VM; a server
+# stopped by one signal cannot take another): SIGTERM reaches the API server only, which stops
+# its engine; SIGINT reaches every process of the group at once, the harder case, taken with the
+# most processes (DP 2 + EP: two engines, two workers, two API servers, the coordinator); SIGKILL
+# goes to the engine processes only, the writers of the capture, which then run nothing more (no
+# signal handler, no atexit, no flush), as under `kill -9`, the OOM killer or a crash. Whichever way, the
+# capture's durability is the same mechanism: each step's record is handed to the OS when the
+# step ends, whoever dies first.
+@pytest.mark.parametrize("dp,sig", [(1, signal.SIGTERM), (2, signal.SIGINT), (1, signal.SIGKILL)],
+                         ids=["one-engine-SIGTERM", "dp2-ep-SIGINT", "one-engine-SIGKILL-engines"])
 def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
     started = time.monotonic()
     capture = tmp_path / "served.npz"
@@ -198,6 +211,8 @@ def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
         try:
             wait_healthy(base, server, 600, str(log_path))
             ready = time.monotonic()
+            engines = _engine_processes(server.pid)
+            assert engines, "the server started no engine process"
             done: list = []
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 futures = [pool.submit(_complete, base, p, 6) for p in prompts]
@@ -207,6 +222,12 @@ def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
                 signalled = time.monotonic()
                 if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole process group
                     os.killpg(server.pid, sig)
+                elif sig == signal.SIGKILL:  # `kill -9` of the engine processes, the API server left as is
+                    for process in engines:
+                        process.send_signal(sig)
+                    gone, alive = psutil.wait_procs(engines, timeout=GRACE_S)
+                    assert not alive, f"engine processes {[p.pid for p in alive]} outlived SIGKILL"
+                    assert all(p.returncode == -signal.SIGKILL for p in gone if p.returncode is not None), gone
                 else:  # `kill PID`, `docker stop`, systemd: the server process only
                     os.kill(server.pid, sig)
                 try:

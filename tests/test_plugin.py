@@ -1,4 +1,9 @@
-"""The vLLM plugin on the shipped tiny MoE: configuration errors, capture, lossless re-placement."""
+"""The vLLM plugin on the shipped tiny MoE: configuration errors, capture, lossless re-placement.
+
+Exactness is shown against vLLM with the plugin not loaded (``VLLM_PLUGINS=""``,
+:mod:`vllm_semmoe.testing.plugin_free`): its greedy tokens, and the logical routing its routers
+chose for every token, read by the test's own hooks.
+"""
 
 import json
 import os
@@ -12,7 +17,8 @@ from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.policy import get_policy
 from vllm_semmoe.prompts import load_prompts
 from vllm_semmoe.tables import build_tables, load_tables
-from vllm_semmoe.trace import load_trace
+from vllm_semmoe.testing.plugin_free import plugin_free_runs
+from vllm_semmoe.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
 from vllm_semmoe.vllm_adapter.engine import run_prompts
 from shared_fixtures import DATA_DIR
@@ -27,11 +33,42 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
+def plugin_free(prompts, tmp_path_factory):
+    """The prompts through vLLM with the plugin not loaded: greedy tokens and logical routing."""
+    return plugin_free_runs({"batched": {"model": tiny_moe_path(), "prompts": prompts, "max_tokens": MAX_TOKENS,
+                                         "max_model_len": 512, "dtype": DTYPE}},
+                            tmp_path_factory.mktemp("plugin_free"))["batched"]
+
+
+@pytest.fixture(scope="module")
 def baseline(prompts, tmp_path_factory):
-    """Plugin only capturing (no placement): reference tokens and logical routing."""
+    """Plugin only capturing (no placement): tokens, logical routing (requests in id order), summary."""
     out = tmp_path_factory.mktemp("base") / "trace.npz"
     tokens, summary = run_prompts(tiny_moe_path(), prompts, max_tokens=MAX_TOKENS, semmoe={"capture": str(out)}, dtype=DTYPE)
-    return tokens, load_trace(out), summary
+    return tokens, by_request_id(load_trace(out)), summary
+
+
+def by_request_id(trace):
+    """The trace's requests in request-id order (a capture numbers them by first appearance)."""
+    return trace.select_requests(np.argsort(trace.request_ids, kind="stable"))
+
+
+def assert_same_routing(got, want, what: str) -> None:
+    """Same tokens, same logical experts for every token and MoE layer."""
+    np.testing.assert_array_equal(got.offsets, want.offsets)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.is_decode, want.is_decode)
+    differ = (got.experts != want.experts).any(axis=2)  # [T, L]
+    assert not differ.any(), (f"{what}: logical routing differs for {int(differ.any(axis=1).sum())} of "
+                              f"{len(differ)} tokens (per MoE layer: {differ.sum(axis=0).tolist()})")
+
+
+def test_capture_only_changes_nothing(baseline, plugin_free):
+    """The plugin loaded and capturing (no tables) serves what vLLM without it serves, and its
+    capture holds the logical experts vLLM's routers chose for every token."""
+    tokens, trace, _ = baseline
+    assert tokens == plugin_free.outputs
+    assert_same_routing(trace, plugin_free.trace, "capture only")
 
 
 def test_capture_writes_a_valid_trace(baseline, prompts):
@@ -49,8 +86,8 @@ def test_capture_writes_a_valid_trace(baseline, prompts):
     assert summary["steps"] > 0
 
 
-def test_placement_is_lossless_in_process(baseline, prompts, tmp_path):
-    tokens, trace, _ = baseline
+def test_placement_is_lossless_in_process(baseline, plugin_free, prompts, tmp_path):
+    _, trace, _ = baseline
     placement = get_policy("semmoe").solve(trace, 8)
     assert not np.array_equal(placement.physical_to_logical(), np.tile(np.arange(32), (4, 1)))
     build_tables(trace, placement).save(tmp_path / "tables")
@@ -59,16 +96,14 @@ def test_placement_is_lossless_in_process(baseline, prompts, tmp_path):
         tiny_moe_path(), prompts, max_tokens=MAX_TOKENS, dtype=DTYPE,
         semmoe={"tables": str(tmp_path / "tables"), "capture": str(capture)},
     )
-    assert placed_tokens == tokens
-    placed = load_trace(capture)
-    np.testing.assert_array_equal(placed.tokens, trace.tokens)
-    # physical ids captured under the placement map back to the plugin-off logical ids
-    np.testing.assert_array_equal(placed.experts, trace.experts)
+    assert placed_tokens == plugin_free.outputs
+    # physical ids captured under the placement map back to the logical ids vLLM chose without the plugin
+    assert_same_routing(by_request_id(load_trace(capture)), plugin_free.trace, "placement-only EP 8")
     assert "replayed" in summary and 0.0 <= summary["replayed"]["lar"] <= 1.0
 
 
-def test_placement_is_lossless_multi_process(baseline, prompts, tmp_path):
-    tokens, trace, _ = baseline
+def test_placement_is_lossless_multi_process(baseline, plugin_free, prompts, tmp_path):
+    _, trace, _ = baseline
     placement = get_policy("eplb").solve(trace, 4)
     build_tables(trace, placement).save(tmp_path / "tables")
     script = (
@@ -85,7 +120,7 @@ def test_placement_is_lossless_multi_process(baseline, prompts, tmp_path):
                             text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("TOKENS="))
-    assert json.loads(line[len("TOKENS="):]) == tokens
+    assert json.loads(line[len("TOKENS="):]) == plugin_free.outputs
 
 
 def test_config_validation():

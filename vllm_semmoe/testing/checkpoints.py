@@ -146,7 +146,6 @@ def fp8_checkpoint(arch: str = "qwen3_moe", seed: int = 0) -> Path:
     path = source.with_name(source.name + f"-fp8v{GENERATOR_VERSION}")
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
-    import torch
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
