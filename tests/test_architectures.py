@@ -291,12 +291,14 @@ def multi_rank_runs(baselines, tmp_path_factory):
     baseline serve one request at a time: every step's batch is that request alone.
     """
     import json
+    import os
     import sys
 
     from test_cpu_parallel import _engine_env
 
     from vllm_semmoe.capture_store import parts_dir, read_capture, segment_files
     from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.vllm_adapter.engine import default_cache_root
 
     cache = {}
 
@@ -333,8 +335,10 @@ def multi_rank_runs(baselines, tmp_path_factory):
         cfg = {"model": str(checkpoint(arch)), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS,
                "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
         # a TP engine's workers outlive vLLM's shutdown grace (default 5 s) and are then sent
-        # SIGTERM; every result is written by then (the captures step by step), so wait 1 s
+        # SIGTERM; every result is written by then (the captures step by step), so wait 1 s.
+        # vLLM's cache is the one this process's engines use: each model class inspected once
         env = _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",
+                          VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root(),
                           **multi_rank_env(arch))
         rc = run_logged([sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)], env, log, 600 * len(runs))
         done = json.loads(out.read_text()) if out.exists() else {}

@@ -33,6 +33,7 @@ from vllm_semmoe.tables import build_tables
 from vllm_semmoe.trace import TraceError
 from vllm_semmoe.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.bench_serve import free_port, wait_healthy
+from vllm_semmoe.vllm_adapter.engine import default_cache_root
 
 L, N, K, V = 3, 16, 2, 50
 GRACE_S = 10  # after the signal, as a supervisor waits before SIGKILL (docker stop: 10 s)
@@ -195,7 +196,9 @@ def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
     capture = tmp_path / "served.npz"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "cache"),
+    # vLLM's cache shared with the suite's other engines (each model class inspected once)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root(),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",

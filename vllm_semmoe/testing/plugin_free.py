@@ -164,14 +164,17 @@ class PluginFreeRun:
     use_mla: bool
 
 
-def plugin_free_env(workdir: str | os.PathLike, **extra: str) -> dict[str, str]:
-    """The environment of a process that runs vLLM without this plugin (CPU-friendly defaults as
-    :func:`vllm_semmoe.vllm_adapter.engine.cpu_defaults`, caches under ``workdir``)."""
+def plugin_free_env(**extra: str) -> dict[str, str]:
+    """The environment of a process that runs vLLM without this plugin: this one's, with the
+    defaults of :func:`~vllm_semmoe.vllm_adapter.engine.cpu_defaults` where unset (so it shares
+    vLLM's caches with the engines this process runs), ``VLLM_PLUGINS=""`` and ``extra``."""
+    from ..vllm_adapter.engine import default_cache_root
+
     env = dict(os.environ)
-    env.update({"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                "VLLM_CACHE_ROOT": os.path.join(workdir, "vllm_cache"),
-                "TORCHINDUCTOR_CACHE_DIR": os.path.join(workdir, "inductor_cache"), "PYTHONUNBUFFERED": "1"})
-    env.update(extra)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", default_cache_root())
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(default_cache_root(), "inductor"))
+    env.update({"VLLM_PLUGINS": "", "PYTHONUNBUFFERED": "1", **extra})
     return env
 
 
@@ -193,7 +196,7 @@ def plugin_free_runs(runs: dict[str, dict], workdir: str | os.PathLike, *,
     out.unlink(missing_ok=True)
     cfg = {"runs": {name: {**run, "model": str(run["model"])} for name, run in runs.items()}, "out": str(out)}
     with tempfile.TemporaryDirectory() as cwd:  # nothing of the checkout on the process's sys.path
-        rc = run_logged([sys.executable, "-c", SCRIPT, json.dumps(cfg)], plugin_free_env(workdir), log, timeout,
+        rc = run_logged([sys.executable, "-c", SCRIPT, json.dumps(cfg)], plugin_free_env(), log, timeout,
                         cwd=cwd)
     if rc != 0 or not out.exists():
         what = f"ran past {timeout:.0f} s" if rc is None else f"failed (exit {rc})"

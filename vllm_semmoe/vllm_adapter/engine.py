@@ -6,10 +6,16 @@ import os
 import tempfile
 
 
+def default_cache_root() -> str:
+    """vLLM's cache directory when ``VLLM_CACHE_ROOT`` is unset (:func:`cpu_defaults`): kept
+    across runs, so that vLLM inspects each model class once (seconds per architecture on CPU)."""
+    return os.path.join(tempfile.gettempdir(), "vllm-semmoe-cache")
+
+
 def cpu_defaults() -> None:
     """Environment defaults that vLLM's CPU build needs here (set only when unset)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cache = os.path.join(tempfile.gettempdir(), "vllm-semmoe-cache")
+    cache = default_cache_root()
     os.environ.setdefault("VLLM_CACHE_ROOT", cache)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "inductor"))
 
