@@ -1,7 +1,8 @@
-"""Where DP LAR at R = 0 is lost (issue 10's DP bar, 0.175): eight studies of the DP placement and router.
+"""Where DP LAR at R = 0 is lost (against the DP bar, 0.175): eight studies of the DP placement and router.
 
 All on the DeepSeek-V2-Lite dev trace, EP 8, the solver as deployed (``SemMoEPolicy``'s DP
-co-clustering: 6 restarts, θ 0.21), IDF-weighted DP tables built on the profile. Each study
+co-clustering with its default restarts and θ, ``policy.semmoe.DEFAULT_LOAD_PRICE``), IDF-weighted
+DP tables built on the profile. Each study
 prints, per case, ``oracle`` (every evaluated request on its best rank), ``pure`` (on its
 best-voted rank, no balance) and the balanced rule's LAR at knobs ``(balance, price step)``
 with its window imbalance relative to the online least-loaded balancer's (``lar@ratio``).
@@ -35,13 +36,12 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
 - ``theta`` (exploratory): the DP co-clustering without its expert-load price (θ 0) against
   the deployed θ, at the same knob pairs, with the evaluation's expert imbalance.
 
-The ``default`` knobs are ``scheduling``'s (balance 32, price step 0.2 since the tuning split,
-2026-12-04; balance 4, price step 0.3 from 2026-12-03; the figures of benchmarks/SEEDS.md
-printed before that are at 64, 0.2).
+The ``default`` knobs are ``scheduling``'s (``DEFAULT_DP_BALANCE``, ``DEFAULT_DP_PRICE_STEP``).
+The studies' figures: benchmarks/SEEDS.md (where the rest of the DP bar is lost).
 
 Every study splits the requests outside the tuning split (``vllm_semmoe.trace.TUNING_FRAC``, the
 requests the knobs are chosen on) as ``semmoe eval`` does; ``--no-hold-out-tuning`` splits them
-all, as every run dated before the tuning split did (``curve`` then also fits on up to 1,000).
+all (``curve`` then also fits on up to 1,000).
 
     .venv/bin/python scripts/dp_headroom.py shrink|restarts|fit|curve|online|foresight|bigram|theta [--seeds 0,1]
         [--block 280] [--no-hold-out-tuning]
@@ -422,8 +422,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=280, help="online: requests served between re-solves")
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep the tuning split out of every profile and evaluation set (default; the "
-                             "figures dated before it were printed with --no-hold-out-tuning)")
+                        help="keep the tuning split out of every profile and evaluation set (default)")
     args = parser.parse_args()
     global HOLD_OUT_TUNING
     HOLD_OUT_TUNING = args.hold_out_tuning

@@ -8,11 +8,8 @@ the dispatch rows ``bench-ep`` sends (one per token and remote rank holding one 
 the combine the same), counted from the routing without running ranks
 (``bench_ep.plan.analytic_counts``, the count ``bench-ep`` checks its real all-to-alls against).
 Replicas (R > 0) are chosen against the default rule in both rows (``SemMoEPolicy.solve``).
-
-Printed on 2026-12-03 (2-core CPU VM, 282 s), seeds 0-4, Sem-MoE / vanilla bytes, mean ± sd:
-(4, 0.3), today's default: R=0 0.9008 ± 0.0086, R=1 0.8427 ± 0.0080, R=2 0.8007 ± 0.0083;
-(64, 0.2), the default before: R=0 0.9032 ± 0.0086, R=1 0.8444 ± 0.0082, R=2 0.8025 ± 0.0087;
-lower with today's knobs on every seed at every R.
+Prints, per knob pair and R, Sem-MoE's bytes over vanilla's per seed and their mean ± sd.
+Current figures: benchmarks/RESULTS.md (section 4).
 
     .venv/bin/python scripts/dp_knob_bytes.py [--knobs 4,0.3 64,0.2] [--seeds 0,1,2,3,4]
 """

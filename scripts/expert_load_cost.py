@@ -1,4 +1,4 @@
-"""What Sem-MoE's expert-load term costs in TP LAR (issue 10: at most one point), per split seed.
+"""What Sem-MoE's expert-load term costs in TP LAR (the bar: at most one point), per split seed.
 
 For each seed the DeepSeek-V2-Lite dev trace's requests are split as ``semmoe eval
 --profile-frac 0.2 --seeds ...`` splits them; Sem-MoE is solved on the profile (TP, EP 8) with
@@ -6,7 +6,8 @@ the default load term (the Lagrangian price ``policy.semmoe.DEFAULT_LOAD_PRICE``
 any (``load_slack=inf, load_price=0``), and both are evaluated on the other 80% with Sem-MoE's
 tables, beside vanilla's expert imbalance. Prints per seed and mean ± sd (sample sd) of LAR,
 expert imbalance and the cost. ``--load-slack S`` measures the hard bound ``S`` instead (no
-price; 0.05 was the default until 2026-12-02).
+price; the bound the price replaced is 0.05). Current figures: benchmarks/RESULTS.md (section 1)
+and benchmarks/SEEDS.md.
 
     .venv/bin/python scripts/expert_load_cost.py [--trace PATH] [--seeds 0,1,2,3,4] [--load-slack S]
 """

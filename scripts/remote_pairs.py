@@ -4,10 +4,7 @@ experts), for the scheduler as it is now. ``r̄`` = pairs per token-layer (READM
 
     .venv/bin/python scripts/remote_pairs.py [--trace PATH] [--max-batches 20] [--redundant R]
 
-Printed on 2026-11-30 (X-table scheduler, seed 0, 20 batches of 512 tokens): vanilla 1,061,212
-pairs over 266,240 token-layers (r̄ 3.986, LAR 0.1241); semmoe 696,135 (r̄ 2.615, LAR 0.4009).
-Rerun on 2026-12-03 (the solver of 2026-12-02, with the expert-load price): semmoe 685,911
-(r̄ 2.576, LAR 0.4080); vanilla unchanged.
+Current figures: benchmarks/RESULTS.md (section 4, TP mode against stock TP + EP).
 """
 
 import argparse

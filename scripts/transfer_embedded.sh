@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cross-dataset transfer on the embedded model (issue 10, benchmarks/SEEDS.md): profile 300
+# Cross-dataset transfer on the embedded model (figures: benchmarks/SEEDS.md): profile 300
 # ShareGPT prompts (#3000-3299), evaluate in-domain ShareGPT (#3300-3599), MMLU and WikiText-2
 # (300 prompts each), EP 8, TP and DP modes, with the layer prior and with nearest-neighbour
 # rows for tokens never profiled. Captures (16 generated tokens per prompt) are kept in

@@ -1,38 +1,28 @@
 """How the DP rule's balance knobs (``scheduling.DEFAULT_DP_BALANCE``, ``DEFAULT_DP_PRICE_STEP``)
-were chosen: on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation
+are chosen: on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation
 uses.
 
 For each seed 0-4, the tuning split (20% of the DeepSeek-V2-Lite dev trace's requests; with
-``--no-hold-out-tuning`` the seed's profile split instead, as every run dated before the tuning
-split did) is solved with Sem-MoE (DP, EP 8, the seed seeding the solver, the folds and the
-streams) as deployed; the profiled requests' votes are cross-fitted (5 folds:
-tables built on four fifths of the profile, votes for the other fifth), so their preferences
+``--no-hold-out-tuning`` the seed's profile split instead) is solved with Sem-MoE (DP, EP 8, the
+seed seeding the solver, the folds and the streams) as deployed; the profiled requests' votes
+are cross-fitted (5 folds: tables built on four fifths of the profile, votes for the other
+fifth), so their preferences
 are as sharp as an unseen request's. The router is then run, with every knob pair of a small
 grid, on arrival streams as long as the evaluation's (``--stream`` requests, 16 per seed) drawn
 with replacement from the profiled requests, balanced over the deployed window
 (``scheduling.balance_window``: W = 32 x 8 = 256). The pick: the highest mean LAR whose window
 imbalance, relative to the online least-loaded balancer's on the same stream, is within 1.05x
 on every seed (the mean over its streams). Also printed: pure-locality LAR of the cross-fitted
-votes with and without the DP tables' IDF weights.
+votes with and without the DP tables' IDF weights. The five seeds share the tuning split's
+requests (only the solver's, folds' and streams' randomness differ).
 
-Until 2026-12-03 the knobs were chosen on the 280 profiled requests in arrival order with
-windows of W = 64 (a quarter of the deployed window, as the profile holds only ~1 window of
-256) and the pick's mean over seeds within 1.05x: balance 64, price step 0.2. Short windows
-make balance look dearer than it is at W = 256, so that pick gave up LAR the bar allowed
-(benchmarks/SEEDS.md). ``--legacy`` reruns that procedure: with today's solver it picks balance
-8, price step 0.5 (0.1784 at 1.040x there; on the evaluation requests, measured afterwards,
-0.1638 against 0.1661 for today's pick).
+``--legacy`` runs the older procedure instead: the profiled requests in arrival order, windows
+of W = 64 (a quarter of the deployed window, as a profile holds about one window of 256) and the
+pick's mean over seeds within 1.05x. Short windows make balance look dearer than it is at
+W = 256, so that procedure gives up LAR the bar allows.
 
-Printed on 2026-12-03 (2-core CPU VM, 35 s): IDF / plain pure-locality LAR per seed 0.1850 /
-0.1816, 0.1839 / 0.1812, 0.1976 / 0.1842, 0.1880 / 0.1783, 0.1767 / 0.1771; pick: balance 4,
-price step 0.3 (LAR 0.1801, window imbalance 1.033x least-loaded's, worst seed 1.047x). With 4
-streams per seed the pick moved between (16, 0.2) and (32, 0.3): the grid's top is flat.
-
-Printed on 2026-12-04 on the tuning split (the default since; θ 0.3, streams of 839 requests,
-44 s): IDF / plain pure-locality LAR per seed 0.1828 / 0.1831, 0.1912 / 0.1827, 0.1931 / 0.1866,
-0.1853 / 0.1828, 0.1877 / 0.1861; pick: balance 32, price step 0.2 (LAR 0.1852 at 1.035x, worst
-seed 1.046x; (16, 0.3) 0.1851 at worst 1.043x; (4, 0.3) 0.1858 but worst 1.055x). The five seeds
-share the tuning split's requests (only the solver's, folds' and streams' randomness differ).
+The current pick and the grid's figures: benchmarks/SEEDS.md ("DP knobs", under the knobs
+chosen on the tuning split).
 
     .venv/bin/python scripts/tune_dp_price.py [--trace PATH] [--stream N] [--legacy] [--no-hold-out-tuning]
 """
@@ -50,7 +40,7 @@ from vllm_semmoe.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 E, FOLDS, STREAMS = 8, 5, 16
-LEGACY_W = 64  # the window of the procedure before 2026-12-03 (--legacy)
+LEGACY_W = 64  # the window of the older procedure (--legacy)
 
 
 def cross_fitted_votes(profile, placement, seed, mode="dp"):
@@ -82,7 +72,7 @@ def main() -> None:
                         help="requests per drawn arrival stream (default: the evaluation's size, the requests "
                              "outside a seed's profile and, held out, the tuning split)")
     parser.add_argument("--legacy", action="store_true",
-                        help="the procedure before 2026-12-03: the profile in arrival order, W = 64, the mean within 1.05x")
+                        help="the older procedure: the profile in arrival order, W = 64, the mean within 1.05x")
     parser.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
                         help="tune on the tuning split (default) or, with --no-hold-out-tuning, on each seed's profile")
     args = parser.parse_args()

@@ -1,17 +1,14 @@
-"""How the TP scheduler's evidence weights (``scheduling.TP_EVIDENCE_WEIGHTS``) were chosen:
+"""How the TP scheduler's evidence weights (``scheduling.TP_EVIDENCE_WEIGHTS``) are chosen:
 on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation uses.
 
 The tuning split (20% of the DeepSeek-V2-Lite dev trace's requests) is split 50/50; Sem-MoE is
 solved and its tables built on one half, and the TP LAR of every weight triple in a small grid is
 measured on the other half (EP 8, 512-token batches). Also printed: the paper's A-table rule
 (``--tp-history devices``) on the same split. ``--no-hold-out-tuning`` tunes on the seed-0
-profile instead (the procedure before the tuning split; its requests are in other seeds'
-evaluation sets).
+profile instead (its requests are in other seeds' evaluation sets).
 
-Printed on 2026-11-30 (2-core CPU VM) on the seed-0 profile: A-table rule 0.3518; best (0.3,
-0.3, 0.2) 0.3762 (tied with (0.5, 0.3, 0.2); lag-2 weight 0: 0.3705-0.3711) → the default (0.3,
-0.3, 0.2). On the tuning split (2026-12-04, θ 0.3, 57 s): A-table rule 0.3641; best (0.3, 0.3,
-0.2) 0.3946 ((0.5, 0.3, 0.2) 0.3943; lag-2 weight 0: at most 0.3885) → the default unchanged.
+The current weights and the grid's figures: benchmarks/SEEDS.md ("TP evidence weights", under
+the knobs chosen on the tuning split).
 
     .venv/bin/python scripts/tune_tp_evidence.py [--trace PATH] [--no-hold-out-tuning]
 """

@@ -4,6 +4,7 @@ and are freed when dropped; layouts a mode cannot serve are refused at start."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def configs(tmp_path):
                            capture=SemMoEConfig.from_additional_config({"semmoe": {"capture": str(tmp_path / "c.npz")}}))
 
 
-def test_layouts_a_mode_cannot_serve_are_refused(configs) -> None:
+def test_layouts_a_mode_cannot_serve_are_refused(configs, caplog) -> None:
     from vllm_semmoe.vllm_adapter.checks import check_layout
 
     with pytest.raises(SemMoEConfigError, match=r"mode 'tp' with data parallelism \(TP 2 x DP 2 \+ EP\)"):
@@ -93,10 +94,14 @@ def test_layouts_a_mode_cannot_serve_are_refused(configs) -> None:
     for config in (configs.tp, configs.dp, configs.placement, configs.capture):
         with pytest.raises(SemMoEConfigError, match=r"pipeline parallelism \(pipeline_parallel_size=2\)"):
             check_layout(config, _vllm_config(tp=2, pp=2))
-    # supported layouts pass
+    # supported layouts pass; mode dp on vLLM's own dispatch (TP 2) with a warning
     check_layout(configs.tp, _vllm_config(tp=2, dp=1))
-    check_layout(configs.dp, _vllm_config(tp=2, dp=2))
     check_layout(configs.placement, _vllm_config(tp=2, dp=2))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.semmoe"):
+        check_layout(configs.dp, _vllm_config(tp=2, dp=2))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("semmoe: mode 'dp' with vLLM's own MoE dispatch"), warnings
 
 
 def test_full_cuda_graphs_are_refused_and_piecewise_graphs_split_at_the_ops(configs) -> None:

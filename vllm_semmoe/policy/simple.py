@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..modes import ServingMode
 from ..placement import Placement
 from .base import PlacementPolicy, Progress, check_redundant
 from .eplb import balanced_packing as eplb_packing
@@ -32,7 +33,7 @@ class VanillaPolicy(PlacementPolicy):
 
     name = "vanilla"
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode=ServingMode.TP, seed=0, redundant=0, progress: Progress = None):
         check_redundant(redundant, profile.num_experts, ep_size, self.name)
         e2d = contiguous_placement(profile.num_layers, profile.num_experts, ep_size)
         return Placement(e2d, ep_size, self.name)
@@ -43,7 +44,7 @@ class RoundRobinPolicy(PlacementPolicy):
 
     name = "round_robin"
 
-    def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
+    def solve(self, profile, ep_size, *, mode=ServingMode.TP, seed=0, redundant=0, progress: Progress = None):
         check_redundant(redundant, profile.num_experts, ep_size, self.name)
         e2d = round_robin_placement(profile.num_layers, profile.num_experts, ep_size)
         return Placement(e2d, ep_size, self.name)

@@ -48,6 +48,7 @@ import urllib.request
 import numpy as np
 from tqdm import tqdm
 
+from ..modes import Mode, ServingMode
 from ..policy import get_policy
 from ..prompts import load_prompts
 from ..tables import build_tables
@@ -66,18 +67,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: policy -> (placement method, plugin mode, MoE dispatch)
+#: policy -> (placement method, engine mode, MoE dispatch)
 POLICIES = {
-    "vllm": ("vanilla", "placement-only", "vllm"),
-    "sparse": ("vanilla", "placement-only", "sparse"),
-    "placement-only": ("semmoe", "placement-only", "sparse"),
-    "semmoe": ("semmoe", "dp", "sparse"),
+    "vllm": ("vanilla", Mode.PLACEMENT_ONLY, "vllm"),
+    "sparse": ("vanilla", Mode.PLACEMENT_ONLY, "sparse"),
+    "placement-only": ("semmoe", Mode.PLACEMENT_ONLY, "sparse"),
+    "semmoe": ("semmoe", Mode.DP, "sparse"),
 }
-#: TP + EP policy -> (placement method, plugin mode)
+#: TP + EP policy -> (placement method, engine mode)
 TP_POLICIES = {
-    "vllm": ("vanilla", "placement-only"),
-    "contiguous": ("vanilla", "tp"),
-    "semmoe": ("semmoe", "tp"),
+    "vllm": ("vanilla", Mode.PLACEMENT_ONLY),
+    "contiguous": ("vanilla", Mode.TP),
+    "semmoe": ("semmoe", Mode.TP),
 }
 
 
@@ -158,16 +159,17 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
         if not os.path.exists(profile_trace):
             profile(model, dataset, profile_prompts, profile_trace, skip=skip)
     trace = load_trace(profile_trace)
-    ep, solve_mode = (tp, "tp") if tp > 1 else (dp, "dp")
+    ep, solve_mode = (tp, ServingMode.TP) if tp > 1 else (dp, ServingMode.DP)
     if tp > 1:
         (method, mode), dispatch = TP_POLICIES[policy], None
     else:
         method, mode, dispatch = POLICIES[policy]
-    R = int(redundant) if method == "semmoe" else 0
+    solver = get_policy(method)
+    R = int(redundant) if solver.supports_redundant else 0
     replicas = f"_r{R}" if R else ""
     tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}{replicas}")
     if not os.path.isdir(tables_dir):
-        build_tables(trace, get_policy(method).solve(trace, ep, mode=solve_mode, redundant=R),
+        build_tables(trace, solver.solve(trace, ep, mode=solve_mode, redundant=R),
                      mode=solve_mode).save(tables_dir)
     capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}{replicas}.npz")
     for stale in set(glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*"))):
@@ -181,7 +183,7 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
-           "--mode", mode, "--capture", capture]
+           "--mode", str(mode), "--capture", capture]
     if enforce_eager:
         cmd.append("--enforce-eager")
     else:  # the capture and the sparse dispatch run Python every step: on CUDA, piecewise graphs that

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from ..modes import ServingMode
 from . import compat
 
 logger = logging.getLogger("vllm.semmoe")
@@ -26,37 +25,17 @@ def check_engine_config(config, vllm_config) -> None:
 
 
 def check_layout(config, vllm_config) -> None:
-    """Raise :class:`SemMoEConfigError` for a parallel layout ``config.mode`` does not support.
+    """Raise :class:`SemMoEConfigError` for a parallel layout ``config.mode`` (or
+    ``config.dispatch``) does not support, and warn of one it gains little on; the rules are the
+    mode's (:meth:`vllm_semmoe.modes.Mode.check_layout`, :meth:`~vllm_semmoe.modes.Mode.layout_warning`)."""
+    from .config import layout_of, refusals
 
-    Supported: any TP/DP/EP combination for ``placement-only`` and ``dp``; ``tp`` with DP 1
-    (the shuffle exchanges rows within the TP group, which is the EP group only when DP is 1).
-    Pipeline and context parallelism are not supported in any mode (each pipeline stage holds
-    only some MoE layers: placement tables, capture and shuffle are per whole model).
-    """
-    from .config import SemMoEConfigError
-
-    layout = compat.parallel_layout(vllm_config)
-    if layout["pp"] > 1:
-        raise SemMoEConfigError(
-            f"semmoe: pipeline parallelism (pipeline_parallel_size={layout['pp']}) is not supported: "
-            "tables, capture and the TP shuffle cover all MoE layers of one model replica. "
-            "Serve with tensor/data/expert parallelism only, or remove the semmoe settings.")
-    for key, flag in (("pcp", "prefill_context_parallel_size"), ("dcp", "decode_context_parallel_size")):
-        if layout[key] > 1:
-            raise SemMoEConfigError(f"semmoe: context parallelism ({flag}={layout[key]}) is not supported; "
-                                    "remove it or the semmoe settings.")
-    if config.mode == ServingMode.TP and layout["tp"] > 1 and layout["ep"] and layout["dp"] > 1:
-        raise SemMoEConfigError(
-            f"semmoe: mode 'tp' with data parallelism (TP {layout['tp']} x DP {layout['dp']} + EP) is not "
-            "supported: the token shuffle exchanges rows within a TP group, but the EP group spans "
-            "DP x TP. Use --data-parallel-size 1 with mode 'tp', or mode 'dp' for data-parallel serving.")
-    config.check_parallel(vllm_config.parallel_config)
-    if config.mode == ServingMode.DP and config.resolved_dispatch(vllm_config.parallel_config) == "vllm":
-        logger.warning(
-            "semmoe: mode 'dp' with vLLM's own MoE dispatch: on a backend that all-gathers tokens "
-            "(allgather_reducescatter, the CPU build's) a higher local activation rate moves no fewer "
-            "bytes; serve with TP 1 and the sparse dispatch (the default in mode dp), or an all-to-all "
-            "backend (--all2all-backend deepep_low_latency, pplx, flashinfer_all2allv, ...)")
+    layout = layout_of(vllm_config.parallel_config)
+    with refusals():
+        config.mode.check_layout(layout, config.dispatch)
+    warning = config.mode.layout_warning(layout, config.mode.dispatch(layout, config.dispatch))
+    if warning:
+        logger.warning(warning)
 
 
 def check_compilation(config, vllm_config) -> None:
@@ -65,9 +44,8 @@ def check_compilation(config, vllm_config) -> None:
     from .config import SemMoEConfigError
     from .ops import CAPTURE_SPLITTING_OPS, SPLITTING_OPS
 
-    if not (config.records or config.mode == ServingMode.TP
-            or config.resolved_dispatch(vllm_config.parallel_config) == "sparse"):
-        return  # placement only: nothing runs per step
+    if not (config.records or config.resolved_dispatch(vllm_config.parallel_config) == "sparse"):
+        return  # placement only: nothing runs per step (every data-scheduling mode records)
     settings = compat.compilation(vllm_config)
     graphs = settings["cudagraphs"]
     if settings["enforce_eager"] or graphs in ("NONE", "None"):

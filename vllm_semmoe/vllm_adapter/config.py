@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
 
 from .. import scheduling
-from ..modes import MODES as SERVING_MODES, ServingMode, serving_mode
+from ..modes import DISPATCHES, Layout, Mode, ModeError, engine_mode
 from ..tables import SemMoETables, TablesError, load_tables
 
-#: the engine mode that applies the placement and schedules no data
-PLACEMENT_ONLY = "placement-only"
-#: the engine modes: :data:`PLACEMENT_ONLY` or a serving mode (:class:`~vllm_semmoe.modes.ServingMode`)
-MODES = (PLACEMENT_ONLY, *SERVING_MODES)
-#: how MoE layers exchange tokens under DP + EP: vLLM's all-gather / reduce-scatter, or only
-#: to the ranks holding each token's experts (:mod:`.ep_dispatch`)
-DISPATCHES = ("vllm", "sparse")
+#: the engine mode that applies the placement and schedules no data (the engine modes, the MoE
+#: dispatches and their rules: :mod:`vllm_semmoe.modes`)
+PLACEMENT_ONLY = Mode.PLACEMENT_ONLY
 KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_price_step", "dp_decode_weight", "dp_slack")
 #: keys of earlier versions -> what replaced them
 RENAMED: dict[str, str] = {}  # none at present
@@ -36,8 +33,9 @@ class SemMoEConfig:
         capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
             every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
             :func:`vllm_semmoe.capture_store.load_trace` reads it as one trace.
-        mode: :data:`PLACEMENT_ONLY` (apply the placement), or a :class:`~vllm_semmoe.modes.ServingMode`
-            (``tp``, ``dp``: also schedule data the Sem-MoE way and meter live LAR accordingly).
+        mode: the engine mode, a :class:`~vllm_semmoe.modes.Mode` (a name given is looked up):
+            ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data the
+            Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
             ``dp`` where the layout allows it (DP > 1, TP 1, expert parallelism), else ``vllm``.
         dp_balance: ``dp`` mode proportional balance knob (``scheduling.dp_choose_balanced``):
@@ -53,12 +51,18 @@ class SemMoEConfig:
 
     tables: str | None = None
     capture: str | None = None
-    mode: str = PLACEMENT_ONLY
+    mode: Mode = Mode.PLACEMENT_ONLY
     dispatch: str | None = None
     dp_balance: float = scheduling.DEFAULT_DP_BALANCE
     dp_price_step: float = scheduling.DEFAULT_DP_PRICE_STEP
     dp_decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT
     dp_slack: float = 8.0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "mode", engine_mode(self.mode))
+        except ValueError as exc:
+            raise SemMoEConfigError(f"semmoe {exc}") from None
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "SemMoEConfig | None":
@@ -84,18 +88,17 @@ class SemMoEConfig:
         for key in ("mode", "tables", "capture", "dispatch"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise SemMoEConfigError(f"semmoe {key} must be a string, got {raw[key]!r}")
-        mode = raw.get("mode", PLACEMENT_ONLY)
-        if mode not in MODES:
-            raise SemMoEConfigError(f"semmoe mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode != PLACEMENT_ONLY:
-            mode = serving_mode(mode)
+        try:
+            mode = engine_mode(raw.get("mode", Mode.PLACEMENT_ONLY))
+        except ValueError as exc:
+            raise SemMoEConfigError(f"semmoe {exc}") from None
         dispatch = raw.get("dispatch")
         if dispatch is not None and dispatch not in DISPATCHES:
             raise SemMoEConfigError(f"semmoe dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         tables = raw.get("tables")
         if tables is not None and not os.path.isdir(tables):
             raise SemMoEConfigError(f"semmoe tables directory not found: {tables}")
-        if mode != PLACEMENT_ONLY and tables is None:
+        if mode.schedules_data and tables is None:
             raise SemMoEConfigError(f"semmoe mode {mode!r} needs 'tables' (a directory from `semmoe solve`)")
         capture = raw.get("capture")
         if capture is not None:
@@ -118,37 +121,12 @@ class SemMoEConfig:
     @property
     def records(self) -> bool:
         """Whether engines keep a routing recorder (for the capture file or live metering)."""
-        return self.capture is not None or self.mode != PLACEMENT_ONLY
+        return self.capture is not None or self.mode.schedules_data
 
     def resolved_dispatch(self, parallel_config) -> str | None:
         """The dispatch the engine runs: ``sparse``, ``vllm``, or ``None`` when the layout has no
-        DP + EP dispatch at all (DP 1 or no expert parallelism)."""
-        dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
-        if dp < 2 or not getattr(parallel_config, "enable_expert_parallel", False):
-            return None
-        if self.dispatch is not None:
-            return self.dispatch
-        return "sparse" if self.mode == ServingMode.DP and tp == 1 else "vllm"
-
-    def check_parallel(self, parallel_config) -> None:
-        """Refuse a mode the parallel layout cannot run (``dp``: DP > 1 with expert
-        parallelism; ``tp``: TP > 1 with expert parallelism), naming the options to change."""
-        dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
-        ep = bool(getattr(parallel_config, "enable_expert_parallel", False))
-        running = f"running DP {dp}, TP {tp}, expert parallelism {'on' if ep else 'off'}"
-        if self.mode == ServingMode.DP and (dp < 2 or not ep):
-            raise SemMoEConfigError(
-                f"semmoe mode 'dp' routes requests over data-parallel ranks: add --data-parallel-size N "
-                f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
-        if self.dispatch == "sparse" and (dp < 2 or tp != 1 or not ep):
-            raise SemMoEConfigError(
-                f"semmoe dispatch 'sparse' exchanges tokens between data-parallel ranks: it needs "
-                f"--data-parallel-size N (N >= 2), --tensor-parallel-size 1 and --enable-expert-parallel "
-                f"({running})")
-        if self.mode == ServingMode.TP and (tp < 2 or not ep):
-            raise SemMoEConfigError(
-                f"semmoe mode 'tp' shuffles tokens over tensor-parallel ranks: add --tensor-parallel-size N "
-                f"(N >= 2) and --enable-expert-parallel, or use --mode placement-only ({running})")
+        DP + EP dispatch at all (DP 1 or no expert parallelism); :meth:`~vllm_semmoe.modes.Mode.dispatch`."""
+        return self.mode.dispatch(layout_of(parallel_config), self.dispatch)
 
     def read_tables(self) -> SemMoETables | None:
         """The tables ``self.tables`` names, read from disk (``None``: no tables configured); a
@@ -173,16 +151,14 @@ class SemMoEConfig:
         tables = self.read_tables() if tables is None else tables
         if tables is None:
             return None
-        any_ep = self.mode == PLACEMENT_ONLY and ep_size == 1
         try:
             tables.check_compatible(num_layers=tables.num_layers if num_layers is None else num_layers,
-                                    num_experts=num_experts, ep_size=None if any_ep else ep_size)
+                                    num_experts=num_experts,
+                                    ep_size=ep_size if self.mode.checks_tables_ep(ep_size) else None)
         except TablesError as exc:
             raise _tables_error(exc) from None
-        if self.mode != PLACEMENT_ONLY and tables.mode != self.mode:
-            raise SemMoEConfigError(
-                f"semmoe: tables {self.tables} were solved for mode {tables.mode!r}, the engine runs mode "
-                f"{self.mode!r}: re-solve with `semmoe solve --mode {self.mode}` or serve with --mode {tables.mode}")
+        with refusals():
+            self.mode.check_tables_mode(tables.mode, self.tables)
         return tables
 
 
@@ -192,32 +168,36 @@ def _tables_error(exc: TablesError) -> SemMoEConfigError:
     return SemMoEConfigError(f"semmoe: {exc}{hint}")
 
 
+@contextlib.contextmanager
+def refusals():
+    """Raise a :class:`~vllm_semmoe.modes.ModeError` from the mode rules as the plugin's
+    :class:`SemMoEConfigError` (same message)."""
+    try:
+        yield
+    except ModeError as exc:
+        raise SemMoEConfigError(str(exc)) from None
+
+
+def layout_of(parallel_config) -> Layout:
+    """The :class:`~vllm_semmoe.modes.Layout` vLLM's ``ParallelConfig`` (or any object with its
+    attribute names; absent optional ones read as off / 1) states."""
+    p = parallel_config
+    return Layout(tp=int(p.tensor_parallel_size), dp=int(p.data_parallel_size),
+                  ep=bool(getattr(p, "enable_expert_parallel", False)),
+                  pp=int(getattr(p, "pipeline_parallel_size", 1)),
+                  pcp=int(getattr(p, "prefill_context_parallel_size", 1)),
+                  dcp=int(getattr(p, "decode_context_parallel_size", 1)),
+                  eplb=bool(getattr(p, "enable_eplb", False)))
+
+
 def replica_token_device(tables: SemMoETables | None, mode, parallel_config, ep_rank: int) -> int | None:
     """The placement device whose copies this engine's routers prefer: its EP rank when the
-    tables hold replica slots, ``None`` (home copies) without them.
-
-    Replicas serve the tokens of the rank holding them, so every rank must route only tokens it
-    serves: DP ranks (TP 1) route their own requests, the TP shuffle (mode ``tp``, DP 1)
-    computes only its scheduled tokens. Other layouts are refused (a replica there would count
-    an activation twice, or never be used), as is vLLM's EPLB (it keeps its own map).
-    """
+    tables hold replica slots, ``None`` (home copies) without them; refuses (as
+    :class:`SemMoEConfigError`) the layouts where replicas cannot serve:
+    :meth:`~vllm_semmoe.modes.Mode.replica_device`."""
     R = tables.placement.redundant if tables is not None else 0
-    if not R:
-        return None
-    dp, tp = parallel_config.data_parallel_size, parallel_config.tensor_parallel_size
-    where = f"tables solved with --redundant {R}"
-    if getattr(parallel_config, "enable_eplb", False):
-        raise SemMoEConfigError(f"semmoe: {where} drive the redundant expert slots themselves; "
-                                "vLLM's EPLB would move them: remove --enable-eplb")
-    if not getattr(parallel_config, "enable_expert_parallel", False) or dp * tp < 2:
-        raise SemMoEConfigError(f"semmoe: {where} give each EP rank replica slots: serve with "
-                                "--enable-expert-parallel over 2 or more ranks, or solve with --redundant 0")
-    if not ((tp == 1 and dp > 1) or (mode == ServingMode.TP and dp == 1)):
-        raise SemMoEConfigError(
-            f"semmoe: {where} serve a token from a replica on the rank that routes it, which needs DP ranks "
-            f"with TP 1 or mode 'tp' (the token shuffle) with DP 1 (running DP {dp}, TP {tp}, mode {mode!r}): "
-            "change the layout or mode, or solve with --redundant 0")
-    return int(ep_rank)
+    with refusals():
+        return engine_mode(mode).replica_device(layout_of(parallel_config), R, ep_rank)
 
 
 def moe_layer_count(hf_config) -> int | None:

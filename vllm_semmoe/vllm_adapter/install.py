@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 
-from ..modes import ServingMode
+from ..modes import TP_SHUFFLE
 from . import compat
 from .recording import flush_at_exit, make_recorder
 from .state import SemMoEState, register_state
@@ -56,7 +56,7 @@ def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
                     if state.token_device is not None else "", len(runners))
     if config.records:
         state.recorder = make_recorder(runners, vllm_config, config, state)
-    if config.mode == ServingMode.TP and layout["tp"] > 1 and layout["ep"]:
+    if TP_SHUFFLE in config.mode.installs and layout["tp"] > 1 and layout["ep"]:
         from . import ops
         from .tp_shuffle import TpShuffleLayer
 

@@ -6,6 +6,7 @@ import os
 import time
 
 from ..evaluate import EvalConfig, evaluate
+from ..modes import ServingMode
 from ..policy import get_policy
 from ..prompts import load_prompts
 from ..tables import build_tables
@@ -53,9 +54,10 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
             "ttft_p50_s", "throughput_tok_s", "compiled")}
 
         solve_start = time.perf_counter()
-        placement = get_policy(method).solve(profile_trace, ep_size, mode="tp", seed=seed)
+        solver = get_policy(method)
+        placement = solver.solve(profile_trace, ep_size, mode=ServingMode.TP, seed=seed)
         tables_dir = os.path.join(workdir, f"tables_{method}")
-        tables = build_tables(profile_trace, placement, mode="tp")
+        tables = build_tables(profile_trace, placement, mode=ServingMode.TP)
         tables.save(tables_dir)
         solve_s = time.perf_counter() - solve_start
         say(f"{method}: EP {ep_size} placement solved in {solve_s:.1f} s; generating {len(prompts)} prompts "
@@ -65,8 +67,8 @@ def demo(model: str, dataset: str, workdir: str, *, ep_size: int = 8, profile_pr
                                  semmoe={"tables": tables_dir, "capture": capture},
                                  max_num_batched_tokens=batch_tokens, enable_chunked_prefill=True)
         served = load_trace(capture)
-        offline = evaluate(served, placement, tables if method == "semmoe" else None,
-                           EvalConfig(mode="tp", batch_tokens=batch_tokens))
+        offline = evaluate(served, placement, tables if solver.schedules_data else None,
+                           EvalConfig(mode=ServingMode.TP, batch_tokens=batch_tokens))
         methods[method]["simulated_ep"] = {
             "ep_size": ep_size,
             "replayed_lar": summary["replayed"]["lar"],
