@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .shuffle import _ADD, _interpret, triton, tl, uses_triton
+from .shuffle import ADD, interpret_mode, triton, tl, uses_triton
 
 __all__ = ["COMPILE_OPTIONS", "align_rounds"]
 
@@ -70,7 +70,7 @@ def _align_kernel(score_ptr, params_ptr, device_ptr, load_ptr, over_ptr, B, E, c
             best = tl.reduce(tl.where(v == best_v[:, None], cols[None, :], BLOCK_E), 1, _MIN)
             tl.store(device_ptr + b, best.to(tl.int64), mask=in_b)
             hit = ((best[:, None] == cols[None, :]) & in_b[:, None]).to(tl.float64)
-            load += tl.reduce(hit, 0, _ADD)
+            load += tl.reduce(hit, 0, ADD)
         is_over = tl.reduce(tl.where(in_e, load, 0.0), 0, _MAX) > cap
         over = tl.where(is_over, 1, 0)
         raised = price + step * (load / cap - 1.0)
@@ -133,7 +133,7 @@ def align_rounds(score: torch.Tensor, capacity: int, rounds: int, *, tile: int |
     tile = tile or (8192 if large else 4096)
     num_warps = num_warps or (16 if large else 4)
     block_b = max(16, min(triton.next_power_of_2(B), tile // block_e))
-    options = {} if _interpret() else dict(COMPILE_OPTIONS, num_warps=num_warps)
-    _kernel(_interpret())[(1,)](score, _params(score.device), device, load, over, B, E, int(capacity),
+    options = {} if interpret_mode() else dict(COMPILE_OPTIONS, num_warps=num_warps)
+    _kernel(interpret_mode())[(1,)](score, _params(score.device), device, load, over, B, E, int(capacity),
                                            rounds, BLOCK_B=block_b, BLOCK_E=block_e, **options)
     return device, load, over

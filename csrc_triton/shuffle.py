@@ -47,7 +47,7 @@ __all__ = [
 
 
 # ---- dispatch --------------------------------------------------------------------------------
-def _interpret() -> bool:
+def interpret_mode() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:  # triton >= 3.3 reads the environment on every access
         return bool(knobs.runtime.interpret)
@@ -56,7 +56,7 @@ def _interpret() -> bool:
 
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether the dispatchers run the Triton kernel for tensors like ``t`` (CUDA or interpreter)."""
-    return triton is not None and (t.is_cuda or _interpret())
+    return triton is not None and (t.is_cuda or interpret_mode())
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +66,7 @@ def _jit(fn, interpret: bool):
 
 
 def _kernel(fn):
-    return _jit(fn, _interpret())
+    return _jit(fn, interpret_mode())
 
 
 # ---- kernels ---------------------------------------------------------------------------------
@@ -77,12 +77,12 @@ def _kernel(fn):
 # what tl.sum / tl.cumsum emit. (Triton's rule still holds: a process that imported Triton under
 # TRITON_INTERPRET=1 cannot compile kernels that use its library functions.)
 if triton is not None:
-    _ADD = getattr(tl.standard, "_sum_combine", None)
-    if _ADD is None:  # pragma: no cover - other Triton versions: correct, slow in the interpreter
+    ADD = getattr(tl.standard, "_sum_combine", None)
+    if ADD is None:  # pragma: no cover - other Triton versions: correct, slow in the interpreter
         def _add_fn(a, b):
             return a + b
 
-        _ADD = triton.JITFunction(_add_fn)
+        ADD = triton.JITFunction(_add_fn)
 
 
 def _device_grouping_kernel(device_ptr, slot_token_ptr, token_slot_ptr, count_ptr, B, capacity,
@@ -101,11 +101,11 @@ def _device_grouping_kernel(device_ptr, slot_token_ptr, token_slot_ptr, count_pt
     for start in range(0, B, BLOCK_B):
         b = start + offs
         hit = (tl.load(device_ptr + b, mask=b < B, other=-1) == e).to(tl.int32)
-        rank = count + tl.associative_scan(hit, 0, _ADD) - 1
+        rank = count + tl.associative_scan(hit, 0, ADD) - 1
         keep = (hit != 0) & (rank < capacity)
         tl.store(slot_token_ptr + base + rank, b, mask=keep)
         tl.store(token_slot_ptr + b, tl.where(keep, base + rank, -1), mask=hit != 0)
-        count += tl.reduce(hit, 0, _ADD)
+        count += tl.reduce(hit, 0, ADD)
     tl.store(count_ptr + e, count)
     for start in range(0, capacity, BLOCK_C):
         j = start + tl.arange(0, BLOCK_C).to(tl.int64)

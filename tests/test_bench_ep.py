@@ -14,7 +14,7 @@ import pytest
 
 from vllm_semmoe import bench_ep
 from vllm_semmoe.bench_ep import BenchEPError, analytic_counts, format_bench_ep, plan_bench_ep, run_bench_ep
-from vllm_semmoe.bench_ep.plan import _first_layers, sample_steps
+from vllm_semmoe.bench_ep.plan import first_layers, sample_steps
 from vllm_semmoe.cli.bench import add_bench_ep_arguments, cmd_bench_ep
 from vllm_semmoe.evaluate import EvalConfig, compare_methods
 from vllm_semmoe.trace import TraceError
@@ -203,7 +203,7 @@ def test_no_rank_process_left(tp2, dp4, tp4):
 def test_plan_lar_equals_offline_evaluation(dev_trace):
     """With all batches, the benchmark's schedule is evaluate's: same LAR to the last activation,
     with and without replicas."""
-    trace = _first_layers(dev_trace.select_requests(np.arange(120)), 3)
+    trace = first_layers(dev_trace.select_requests(np.arange(120)), 3)
     methods = ["vanilla", "semmoe"]
     for mode in ("tp", "dp"):
         for R in (0, 1):
@@ -220,7 +220,7 @@ def test_plan_lar_equals_offline_evaluation(dev_trace):
 def test_plan_schedules_with_the_given_dp_knobs(dev_trace):
     """``config`` carries other DP knobs into the replay's schedule: the plan's LAR is the
     offline evaluation's at those knobs, and differs from the default knobs' plan."""
-    trace = _first_layers(dev_trace.select_requests(np.arange(160)), 3)
+    trace = first_layers(dev_trace.select_requests(np.arange(160)), 3)
     profile, rest = trace.split(0.2, 0)
     lar = {}
     for knobs in ((EvalConfig.dp_balance, EvalConfig.dp_price_step), (1024.0, 1.0)):
@@ -246,7 +246,7 @@ def test_max_batches_replays_the_whole_runs_steps(dev_trace):
     """``max_batches`` keeps steps of the whole run as they are: the first ones (head), or
     ones spread from the first step to the last (spread), each with the tokens, ranks and
     serving ranks the whole run gives it."""
-    trace = _first_layers(dev_trace.select_requests(np.arange(200)), 3)
+    trace = first_layers(dev_trace.select_requests(np.arange(200)), 3)
     methods = ["vanilla", "semmoe"]
     for mode in ("tp", "dp"):
         full = plan_bench_ep(trace, 4, mode, methods, batch_tokens=128)

@@ -263,14 +263,41 @@ def test_grid_has_one_flat_row_per_cell(synthetic_grid):
             assert r["time_bound_us"] <= r["total_us"] * (1 + 1e-9)
 
 
+def test_grid_semmoe_rows_serve_the_time_objectives_choice(synthetic_grid):
+    result, _ = synthetic_grid
+    for r in result["rows"]:
+        if r["method"] == "semmoe":
+            chosen = result["time_objective"][f"{r['mode']}/R{r['redundant']}"]
+            assert r["variant"] == chosen[f"{r['hardware']}/{r['batch_tokens']}/{r['hidden']}"]
+
+
+def test_semmoe_vs_baselines_flags_every_slower_cell(synthetic_grid):
+    from vllm_semmoe.cost_grid import semmoe_vs_baselines
+
+    result, _ = synthetic_grid
+    rows = [dict(r) for r in result["rows"]]
+    same = lambda a, b: all(a[k] == b[k] for k in ("mode", "hardware", "batch_tokens", "hidden"))  # noqa: E731
+    sem = next(r for r in rows if r["method"] == "semmoe" and r["calibrated"] and r["redundant"] == 1)
+    eplb = next(r for r in rows if r["method"] == "eplb" and r["redundant"] == 1 and same(r, sem))
+    van = next(r for r in rows if r["method"] == "vanilla" and same(r, sem))
+    sem["total_us"] = max(eplb["total_us"], van["total_us"]) * 1.02
+    check = semmoe_vs_baselines(rows)
+    assert check["cells"] == sum(r["method"] == "semmoe" and r["calibrated"] for r in rows)
+    flagged = {o[:5] for o in check["over"]}
+    assert (sem["mode"], 1, sem["hardware"], sem["batch_tokens"], sem["hidden"]) in flagged
+    assert check["worst"] >= 1.02 - 1e-12
+    for o in check["over"]:
+        assert max(o[5:]) > 1.005
+
+
 def test_grid_steps_are_the_steps_bench_ep_replays(small_trace):
     """The grid schedules each placement as ``bench-ep`` does: the same per-step rows."""
     from vllm_semmoe.bench_ep import analytic_counts, plan_bench_ep
-    from vllm_semmoe.bench_ep.plan import _first_layers
-    from vllm_semmoe.cost_grid import schedule
+    from vllm_semmoe.bench_ep.plan import first_layers
+    from vllm_semmoe.step_time import schedule
     from vllm_semmoe.tables import build_tables
 
-    trace = _first_layers(small_trace, 4)
+    trace = first_layers(small_trace, 4)
     for mode in ("tp", "dp"):
         plan = plan_bench_ep(trace, 4, mode, ["semmoe"], batch_tokens=64, redundant=1, seed=0)
         profile, rest = trace.split(0.2, 0)

@@ -183,7 +183,8 @@ def test_cost_grid_spreads_eplb_copies_as_vllm_does(skewed):
     """The grid's EPLB rows count the copy vLLM's hash picks: a replica on the token's own rank
     is local only when the hash picks it, so EPLB's LAR stays below what the locality-first
     rule (Sem-MoE's serving) would give the same placement."""
-    from vllm_semmoe.cost_grid import run_grid, schedule
+    from vllm_semmoe.cost_grid import run_grid
+    from vllm_semmoe.step_time import schedule
     from vllm_semmoe.tables import placement_device_counts
 
     result = run_grid(skewed, 4, modes=("tp",), methods=("vanilla", "eplb"), redundant=(0, 2), batches=(64,),
@@ -234,10 +235,10 @@ def test_bench_ep_replays_eplb_copies_as_evaluated(dev_trace):
     """``bench-ep``'s plan moves EPLB's tokens to the copies vLLM's hash picks: in TP mode (the
     same steps as the offline evaluation) its LAR is the evaluation's to the last activation."""
     from vllm_semmoe.bench_ep import analytic_counts, plan_bench_ep
-    from vllm_semmoe.bench_ep.plan import _first_layers
+    from vllm_semmoe.bench_ep.plan import first_layers
     from vllm_semmoe.evaluate import compare_methods
 
-    trace = _first_layers(dev_trace.select_requests(np.arange(120)), 3)
+    trace = first_layers(dev_trace.select_requests(np.arange(120)), 3)
     profile, rest = trace.split(0.2, 0)
     plan = plan_bench_ep(trace, 4, "tp", ["eplb"], batch_tokens=128, redundant=1)
     counts = analytic_counts(plan, "eplb")

@@ -42,6 +42,8 @@ def outputs(small_trace, tmp_path_factory):
                  "--out", str(out / "tables_semmoe"), "--json", str(out / "solve.json")]) == 0
     assert main(["cost", "--trace", str(trace), "--ep", "8", "--method", "vanilla,semmoe", "--max-batches", "8",
                  "--json", str(out / "cost.json")]) == 0
+    assert main(["cost", "--trace", str(trace), "--ep", "8", "--grid", "--layers", "2", "--max-batches", "2",
+                 "--hardware", "deepep-normal-2node,pplx-1node", "--json", str(out / "cost_grid.json")]) == 0
     report = out / "report"
     assert main(["report", "--from", str(out), "--out", str(report), "--json", str(out / "report.json")]) == 0
     return out, report, json.loads((out / "report.json").read_text())
@@ -64,7 +66,8 @@ def test_report_draws_every_figure_it_has_inputs_for(outputs):
     _, report, result = outputs
     files = {f["file"] for f in result["figures"]}
     assert files == {"lar_per_layer_eval_tp.png", "lar_per_layer_eval_dp.png", "affinity.png",
-                     "placement_tables_semmoe.png", "dp_rank_load_eval_dp.png", "cost_model_cost.png"}
+                     "placement_tables_semmoe.png", "dp_rank_load_eval_dp.png", "cost_model_cost.png",
+                     "cost_grid_cost_grid.png"}
     for name in files:
         assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (report / "index.html").read_text()
@@ -193,6 +196,7 @@ def figures(outputs):
         "bench_serve": report.figure_bench_serve(serve),
         "bytes": report.figure_bytes(bench_ep),
         "cost": report.figure_cost(read("cost.json")),
+        "grid": report.figure_grid(read("cost_grid.json")),
     }
     for fig in figs.values():
         fig.canvas.draw()

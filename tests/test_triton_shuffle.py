@@ -210,7 +210,7 @@ def test_without_interpreter_cpu_uses_the_reference():
 # ---- the compiled path -----------------------------------------------------------------------
 # Under TRITON_INTERPRET=1 at import, Triton's own library functions (such as the add combiner the
 # kernels reduce with) are interpreter-only, so nothing compiles in that process.
-compilable = pytest.mark.skipif(not isinstance(shuffle._ADD, triton.JITFunction),
+compilable = pytest.mark.skipif(not isinstance(shuffle.ADD, triton.JITFunction),
                                 reason="Triton was imported under TRITON_INTERPRET=1")
 
 

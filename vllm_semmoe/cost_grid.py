@@ -11,6 +11,11 @@ hardware set and width (:mod:`vllm_semmoe.cost_model`). TP mode also gets ``stoc
 vLLM TP + EP on vanilla's placement (every rank holds every token, computes its own experts on
 all of them, two all-reduces per layer, no exchange).
 
+Sem-MoE's rows are the time objective's (:mod:`vllm_semmoe.time_objective`): for each target
+(hardware set, step size, width) the variant that was fastest on the profile, solved on the
+whole profile and measured on the rest like every other method; its ``variant`` column names it
+and ``time_objective`` in the result lists every choice.
+
 Each cell is one flat row (times in µs per MoE layer per step, the mean over the steps and
 layers of the evaluation stream):
 
@@ -34,8 +39,8 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from .cost_model import (DSV2_LITE, DSV3_WIDTH, HARDWARE, MoEShape, StepTraffic, even_spread, layer_times,
-                         step_traffic, summarize)
+from .cost_model import DSV2_LITE, DSV3_WIDTH, HARDWARE, MoEShape, StepTraffic, even_spread, step_traffic
+from .step_time import Target, collectives_for, node_groups, step_cost, stream_traffic
 
 GRID_MODES = ("tp", "dp")
 GRID_METHODS = ("vanilla", "eplb", "moetuner", "semmoe")
@@ -66,53 +71,6 @@ def grid_cells(methods=GRID_METHODS, redundant=GRID_REDUNDANT) -> tuple[list, li
     return cells, notes
 
 
-def schedule(rest, placement, tables, mode: str, batch_tokens: int, config=None, max_batches=None,
-             sample: str = "head"):
-    """``(rows [P], offsets [S + 1], device [P, L], source trace)``: the evaluation tokens of
-    every step (indices into ``source``), and the rank of each per layer, as ``bench-ep``
-    schedules them (:func:`vllm_semmoe.bench_ep.plan.plan_bench_ep`)."""
-    from . import schedulers as ev
-    from .bench_ep.plan import _dp_steps, sample_steps
-    from .modes import ServingMode, serving_mode
-    from .tables import placement_device_counts
-
-    mode = serving_mode(mode)
-    config = replace(config or ev.EvalConfig(), mode=mode, batch_tokens=batch_tokens)
-    E = placement.ep_size
-    if mode == ServingMode.DP:
-        rank, _ = ev.dp_ranks(rest, tables, E, config)
-        (rows, offsets), device = _dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
-        return rows, offsets, device.astype(np.int64), rest
-    steps = sample_steps(-(-rest.num_tokens // batch_tokens), max_batches, sample)
-    n_tok = min(rest.num_tokens, (int(steps[-1]) + 1) * batch_tokens)
-    n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))
-    sub = rest.select_requests(np.arange(max(n_req, 1)))
-    device, _ = ev.tp_devices(sub, placement_device_counts(sub.experts, placement), tables, E, config)
-    parts = [np.arange(b * batch_tokens, min((b + 1) * batch_tokens, n_tok), dtype=np.int64) for b in steps]
-    offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
-    rows = np.concatenate(parts)
-    return rows, offsets, device[rows], sub
-
-
-def oracle_devices(source, rows: np.ndarray, placement, mode: str) -> np.ndarray:
-    """``[P, L]`` the rank holding most of each scheduled token's experts (TP: per token and
-    layer) or of its request's (DP: one rank per request for all layers)."""
-    from .modes import ServingMode, serving_mode
-    from .tables import placement_device_counts
-
-    if serving_mode(mode) == ServingMode.TP:
-        return placement_device_counts(source.experts[rows], placement).argmax(axis=2).astype(np.int64)
-    counts = placement_device_counts(source.experts, placement).sum(axis=1, dtype=np.int64)  # [T, E]
-    per_request = np.add.reduceat(counts, source.offsets[:-1], axis=0)  # [R, E]
-    request = np.repeat(np.arange(source.num_requests), np.diff(source.offsets))
-    return np.repeat(per_request.argmax(axis=1)[request[rows]][:, None], source.num_layers, axis=1)
-
-
-def node_groups(hardware) -> tuple:
-    """Node counts whose per-node rows the hierarchical sets among ``hardware`` read."""
-    return tuple(sorted({HARDWARE[h].nodes for h in hardware if HARDWARE[h].unit == "node" and HARDWARE[h].nodes > 1}))
-
-
 def plan_traffic(plan, method: str, hardware=None) -> StepTraffic:
     """:class:`~vllm_semmoe.cost_model.StepTraffic` of one method of a
     :class:`~vllm_semmoe.bench_ep.BenchPlan` (the steps ``bench-ep`` replays)."""
@@ -132,19 +90,18 @@ def _stock_tp(serving, offsets, experts, E, groups) -> StepTraffic:
 
 
 def _cost_rows(base: dict, traffic: StepTraffic, bound: StepTraffic, oracle: StepTraffic | None,
-               hardware, shapes, collectives) -> list[dict]:
+               targets, collectives) -> list[dict]:
+    """One row per target (hardware set and width at ``base``'s step size)."""
     out = []
-    for name in hardware:
-        hw = HARDWARE[name]
-        for shape in shapes:
-            cost = summarize(layer_times(traffic, shape, hw, collectives), traffic)
-            row = {**base, "hardware": name, "calibrated": hw.calibrated, "nodes": hw.nodes, "unit": hw.unit,
-                   "hidden": shape.hidden, "expert_intermediate": shape.expert_intermediate, **cost,
-                   "time_bound_us": summarize(layer_times(bound, shape, hw, collectives), bound)["total_us"],
-                   "oracle_time_bound_us": (summarize(layer_times(oracle, shape, hw, collectives), oracle)["total_us"]
-                                            if oracle is not None else None),
-                   "time_ratio_vs_vanilla": None}
-            out.append({**{k: row[k] for k in ROW_KEYS}, **row})  # the contract's columns first
+    for t in targets:
+        hw = HARDWARE[t.hardware]
+        cost = step_cost(traffic, t, collectives)
+        row = {**base, "hardware": t.hardware, "calibrated": hw.calibrated, "nodes": hw.nodes, "unit": hw.unit,
+               "hidden": t.shape.hidden, "expert_intermediate": t.shape.expert_intermediate, **cost,
+               "time_bound_us": step_cost(bound, t, collectives)["total_us"],
+               "oracle_time_bound_us": step_cost(oracle, t, collectives)["total_us"] if oracle is not None else None,
+               "time_ratio_vs_vanilla": None}
+        out.append({**{k: row[k] for k in ROW_KEYS}, **row})  # the contract's columns first
     return out
 
 
@@ -168,12 +125,11 @@ def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, mo
     Returns ``{"rows": [flat row per cell], "notes": [...], "solve_s": {...}, "unit": ...,
     "hardware": {name: parameters}}``; rows in (mode, method, R, batch, hardware, width) order.
     """
-    from .bench_ep.plan import _as_trace, _first_layers
+    from .bench_ep.plan import as_trace, first_layers
     from .modes import serving_mode
     from .policy import get_policy
     from .policy.base import check_redundant
-    from .policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
-    from .tables import build_tables
+    from .time_objective import choose, solve_variant
 
     hardware = tuple(HARDWARE) if hardware is None else tuple(hardware)
     unknown = [h for h in hardware if h not in HARDWARE]
@@ -181,52 +137,83 @@ def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, mo
         raise ValueError(f"unknown hardware {', '.join(unknown)}; choose from {', '.join(HARDWARE)}")
     if not batches or min(batches) < 1:
         raise ValueError(f"batches must be step sizes >= 1, got {batches}")
-    full = _first_layers(_as_trace(trace), layers)
+    full = first_layers(as_trace(trace), layers)
     for R in redundant:
         check_redundant(R, full.num_experts, ep)
     profile, rest = full.split(profile_frac, seed)
     cells, notes = grid_cells(methods, redundant)
     groups = node_groups(hardware)
+    targets = {b: [Target(h, b, shape) for h in hardware for shape in shapes] for b in batches}
     total = len(modes) * len(cells) * len(batches)
-    done, rows, solve_s = 0, [], {}
+    done, rows, solve_s, chosen = 0, [], {}, {}
+
+    def measured(placement, tables, mode, batch):
+        s = stream_traffic(rest, placement, tables, mode, batch, groups, max_batches=max_batches, sample=sample,
+                           oracle=True)
+        return s, even_spread(s["traffic"]), even_spread(s["oracle"])
+
     for mode in modes:
         mode = serving_mode(mode)
-        collectives = "tp_shuffle" if mode == "tp" else None
+        collectives = collectives_for(mode)
         for method, R in cells:
             if progress:
                 progress(done, total, "cost grid")
             start = time.perf_counter()
-            placement = get_policy(method).solve(profile, ep, mode=mode, seed=seed, redundant=R)
+            if method == "semmoe":  # the time objective: per target, the variant fastest on the profile
+                choice = choose(profile, ep, mode, R, [t for b in batches for t in targets[b]], seed=seed,
+                                max_batches=max_batches)
+                variants = {v: solve_variant(v, profile, ep, mode, R, seed=seed)
+                            for v in dict.fromkeys(c.variant for c in choice.values())}
+                chosen[f"{mode}/R{R}"] = {f"{t.hardware}/{t.batch_tokens}/{t.shape.hidden}": c.variant
+                                          for t, c in choice.items()}
+            else:
+                placement = get_policy(method).solve(profile, ep, mode=mode, seed=seed, redundant=R)
+                variants = {None: (placement, None)}
             solve_s[f"{mode}/{method}/R{R}"] = round(time.perf_counter() - start, 2)
-            tables = build_tables(profile, placement, mode=mode) if method == "semmoe" else None
             for batch in batches:
-                idx, offsets, device, source = schedule(rest, placement, tables, mode, batch,
-                                                        max_batches=max_batches, sample=sample)
-                experts = source.experts[idx].astype(np.int64)
-                if served_by_vllm_eplb(placement):  # vLLM's EPLB: each copy by a hash of the token's row
-                    serving = vllm_serving_device(placement.physical_to_logical(), ep, experts,
-                                                  rank_rows(device, offsets[:-1]))
-                else:
-                    serving = placement.serving_device(experts, device)
-                traffic = step_traffic(serving, device, offsets, ep, experts=experts, node_groups=groups)
-                oracle_dev = oracle_devices(source, idx, placement, mode)
-                oracle = step_traffic(placement.serving_device(experts, oracle_dev), oracle_dev, offsets, ep,
-                                      experts=experts, node_groups=groups)
-                base = {"mode": str(mode), "method": method, "redundant": R, "batch_tokens": batch,
-                        "steps": len(offsets) - 1, "lar": traffic.lar, "oracle_lar": oracle.lar}
-                rows += _cost_rows(base, traffic, even_spread(traffic), even_spread(oracle), hardware, shapes,
-                                   collectives)
-                if mode == "tp" and method == "vanilla" and R == 0:
-                    stock = _stock_tp(serving, offsets, experts, ep, groups)
-                    rows += _cost_rows({**base, "method": "stock_tp", "lar": None, "oracle_lar": None}, stock,
-                                       even_spread(stock), None, hardware, shapes, "tp_allreduce")
+                for variant, (placement, tables) in variants.items():
+                    s, bound, oracle = measured(placement, tables, mode, batch)
+                    cell = [t for t in targets[batch] if variant is None or choice[t].variant == variant]
+                    if not cell:
+                        continue
+                    base = {"mode": str(mode), "method": method, "redundant": R, "batch_tokens": batch,
+                            "steps": s["steps"], "lar": s["traffic"].lar, "oracle_lar": s["oracle"].lar}
+                    if variant is not None:
+                        base["variant"] = variant
+                    rows += _cost_rows(base, s["traffic"], bound, oracle, cell, collectives)
+                    if mode == "tp" and method == "vanilla" and R == 0:
+                        stock = _stock_tp(s["serving"], s["offsets"], s["experts"], ep, groups)
+                        rows += _cost_rows({**base, "method": "stock_tp", "lar": None, "oracle_lar": None}, stock,
+                                           even_spread(stock), None, cell, "tp_allreduce")
                 done += 1
                 if progress:
                     progress(done, total, "cost grid")
-    return {"rows": add_ratios(rows), "notes": notes, "solve_s": solve_s, "unit": UNIT,
+    rows.sort(key=lambda r: (r["mode"], r["method"], r["redundant"], r["batch_tokens"], r["hardware"], r["hidden"]))
+    return {"rows": add_ratios(rows), "notes": notes, "solve_s": solve_s, "time_objective": chosen, "unit": UNIT,
             "ep": ep, "seed": seed, "profile_frac": profile_frac, "layers": full.num_layers,
             "eval_tokens": rest.num_tokens, "profile_tokens": profile.num_tokens,
             "hardware": {h: asdict(HARDWARE[h]) for h in hardware}}
+
+
+def semmoe_vs_baselines(rows: list[dict], calibrated_only: bool = True) -> dict:
+    """Sem-MoE at each R against vanilla (R = 0) and EPLB at the same R, cell by cell: ``{"cells":
+    n, "worst": largest ratio, "over": [(mode, R, hardware, batch, hidden, vs vanilla, vs EPLB)]
+    where either ratio exceeds 1.005}`` (calibrated hardware sets only by default)."""
+    key = lambda r: (r["mode"], r["hardware"], r["batch_tokens"], r["hidden"])  # noqa: E731
+    total = {(r["method"], r["redundant"], *key(r)): r["total_us"] for r in rows}
+    cells, worst, over = 0, 0.0, []
+    for r in rows:
+        if r["method"] != "semmoe" or (calibrated_only and not r["calibrated"]):
+            continue
+        van, eplb = total.get(("vanilla", 0, *key(r))), total.get(("eplb", r["redundant"], *key(r)))
+        if van is None or eplb is None:
+            continue
+        cells += 1
+        ratios = (r["total_us"] / van, r["total_us"] / eplb)
+        worst = max(worst, *ratios)
+        if max(ratios) > 1.005:
+            over.append((r["mode"], r["redundant"], r["hardware"], r["batch_tokens"], r["hidden"], *ratios))
+    return {"cells": cells, "worst": worst, "over": over}
 
 
 def format_grid(result: dict) -> str:
@@ -235,7 +222,7 @@ def format_grid(result: dict) -> str:
     lines = [f"cost grid: EP {result['ep']}, {result['layers']} MoE layers, {len(rows)} rows; "
              f"times in {result['unit']}",
              f"{'hardware':<22}{'cal':>4}{'mode':>5}{'batch':>6}{'hidden':>7}  {'vanilla_us':>10}{'semmoe_R':>9}"
-             f"{'vs_van':>8}{'vs_eplb':>8}{'stock_tp_x':>11}"]
+             f"{'variant':>10}{'vs_van':>8}{'vs_eplb':>8}{'stock_tp_x':>11}"]
     index = {}
     for r in rows:
         index.setdefault((r["hardware"], r["mode"], r["batch_tokens"], r["hidden"]), []).append(r)
@@ -249,11 +236,19 @@ def format_grid(result: dict) -> str:
         eplb = by.get(("eplb", best["redundant"])) or by.get(("eplb", 0))
         stock = by.get(("stock_tp", 0))
         lines.append(f"{hw:<22}{'yes' if HARDWARE[hw].calibrated else 'no':>4}{mode:>5}{batch:>6}{hidden:>7}  "
-                     f"{van['total_us']:>10.1f}{best['redundant']:>9}{best['total_us'] / van['total_us']:>8.3f}"
+                     f"{van['total_us']:>10.1f}{best['redundant']:>9}{best.get('variant', ''):>10}"
+                     f"{best['total_us'] / van['total_us']:>8.3f}"
                      f"{(best['total_us'] / eplb['total_us']) if eplb else float('nan'):>8.3f}"
                      f"{(stock['total_us'] / van['total_us']) if stock else float('nan'):>11.3f}")
+    check = semmoe_vs_baselines(rows)
+    if check["cells"]:
+        lines.append(f"Sem-MoE at every R against vanilla and against EPLB at the same R, calibrated sets: "
+                     f"{len(check['over'])} of {check['cells']} cells slower by more than 0.5 %, "
+                     f"worst ratio {check['worst']:.3f}")
+        lines += [f"  slower: {m} R={R} {hw} {b}-token hidden {h}: {v:.3f}x vanilla, {e:.3f}x EPLB"
+                  for m, R, hw, b, h, v, e in check["over"]]
     return "\n".join(lines + [f"note: {n}" for n in result.get("notes", [])])
 
 
 __all__ = ["GRID_BATCHES", "GRID_METHODS", "GRID_MODES", "GRID_REDUNDANT", "GRID_SHAPES", "ROW_KEYS", "MoEShape",
-           "add_ratios", "format_grid", "grid_cells", "plan_traffic", "run_grid", "schedule"]
+           "add_ratios", "format_grid", "grid_cells", "plan_traffic", "run_grid", "semmoe_vs_baselines"]

@@ -14,6 +14,7 @@ DP rank load           ``semmoe eval --mode dp --json``                   ``meth
                        ``semmoe bench-serve --json``                      ``rank_prompt_tokens``
 bytes per token        ``semmoe bench-ep --json``                         ``methods.*.bytes_per_token``
 modelled MoE time      ``semmoe cost --json``                             ``cost.<hw>.<method>.*_us``
+time vs vanilla grid   ``semmoe cost --grid --json``                      ``rows[*].time_ratio_vs_vanilla``
 =====================  =================================================  ============================
 
 A figure whose input is absent is skipped, and the page says which and why. A ``*.json`` that is
@@ -67,6 +68,12 @@ def _is_cost(d) -> bool:
     return isinstance(cost, dict) and bool(cost) and all(
         isinstance(rows, dict) and all(isinstance(r, dict) and "total_us" in r for r in rows.values())
         for rows in cost.values())
+
+
+def _is_grid(d) -> bool:
+    rows = d.get("rows") if isinstance(d, dict) else None
+    return isinstance(rows, list) and bool(rows) and all(
+        isinstance(r, dict) and "time_ratio_vs_vanilla" in r and "method" in r for r in rows)
 
 
 # ---- checking the fields the figures read ---------------------------------------------------
@@ -179,15 +186,30 @@ def _check_cost(path: str, data: dict) -> None:
                 check.number(row, key, f"cost.{hw}.{name}.{key}", required=key == "total_us")
 
 
+def _check_grid(path: str, data: dict) -> None:
+    check = _Fields(path, "semmoe cost --grid --json")
+    for i, row in enumerate(data["rows"]):
+        for key in ("mode", "method", "hardware"):
+            if not isinstance(row.get(key), str):
+                check.fail(f"rows[{i}].{key}", "a string", row.get(key, _MISSING))
+        for key in ("redundant", "batch_tokens", "hidden"):
+            if key == "redundant":
+                check.number(row, key, f"rows[{i}].{key}")
+            else:
+                check.positive_int(row, key, f"rows[{i}].{key}")
+        check.number(row, "total_us", f"rows[{i}].total_us")
+        check.number(row, "time_ratio_vs_vanilla", f"rows[{i}].time_ratio_vs_vanilla", none_ok=True)
+
+
 def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
     """``{"eval": [(name, data)], "analyze": [...], "bench_ep": [...], "bench_serve": [...],
-    "cost": [...], "tables": [(name, path)]}`` found under ``from_dir`` (sorted by path).
+    "cost": [...], "grid": [...], "tables": [(name, path)]}`` found under ``from_dir`` (sorted by path).
 
     A ``*.json`` that is not JSON, or an input of a known kind with a wrong field, is a
     :class:`ReportError` naming the file (and the field); JSON of other tools is passed over."""
     if not os.path.isdir(from_dir):
         raise ReportError(f"--from {from_dir}: not a directory")
-    found = {k: [] for k in ("eval", "analyze", "bench_ep", "bench_serve", "cost", "tables")}
+    found = {k: [] for k in ("eval", "analyze", "bench_ep", "bench_serve", "cost", "grid", "tables")}
     skip = os.path.abspath(skip_dir) if skip_dir else None
     for root, dirs, files in os.walk(from_dir):
         dirs[:] = sorted(d for d in dirs if os.path.abspath(os.path.join(root, d)) != skip)
@@ -219,6 +241,9 @@ def collect_inputs(from_dir: str, skip_dir: str | None = None) -> dict:
                 for k, v in data.items():
                     _check_analyze(path, v, prefix=f"{k}.")
                 found["analyze"] += [(f"{label}: {os.path.basename(k)}", v) for k, v in data.items()]
+            elif _is_grid(data):
+                _check_grid(path, data)
+                found["grid"].append((label, data))
             elif _is_cost(data):
                 _check_cost(path, data)
                 found["cost"].append((label, data))
@@ -413,6 +438,53 @@ def figure_cost(data: dict):
     return fig
 
 
+GRID_METHODS = ("eplb", "moetuner", "semmoe")  # drawn against vanilla (ratio 1)
+
+
+def grid_best(rows: list[dict]) -> dict:
+    """``{(mode, batch, hidden): {hardware: {method: best row over R}}}`` of a cost grid."""
+    out = {}
+    for r in rows:
+        if r["method"] not in GRID_METHODS or r.get("time_ratio_vs_vanilla") is None:
+            continue
+        cell = out.setdefault((r["mode"], r["batch_tokens"], r["hidden"]), {}).setdefault(r["hardware"], {})
+        if r["method"] not in cell or r["total_us"] < cell[r["method"]]["total_us"]:
+            cell[r["method"]] = r
+    return out
+
+
+def figure_grid(data: dict):
+    """Modelled MoE-layer time relative to vanilla, each method at its best R, one panel per
+    (mode, step size, width), a bar group per hardware set (calibrated ones marked ``*``)."""
+    plt = _plt()
+    best = grid_best(data["rows"])
+    keys = sorted(best)
+    cols = 2
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(13, 3.1 * nrows + 0.6), squeeze=False, layout="constrained")
+    for ax, key in zip(axes.flat, keys):
+        mode, batch, hidden = key
+        hws = list(best[key])
+        x = np.arange(len(hws))
+        w = 0.8 / len(GRID_METHODS)
+        for i, m in enumerate(GRID_METHODS):
+            vals = [best[key][h][m]["time_ratio_vs_vanilla"] if m in best[key][h] else np.nan for h in hws]
+            ax.bar(x + (i - (len(GRID_METHODS) - 1) / 2) * w, vals, w, color=f"C{i}", label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        calibrated = {r["hardware"]: r.get("calibrated") for r in data["rows"]}
+        ax.set_xticks(x, [h + ("*" if calibrated.get(h) else "") for h in hws], fontsize=7, rotation=25, ha="right")
+        ax.set_ylabel("time / vanilla")
+        ax.set_title(f"{mode.upper()}, {batch}-token steps, hidden {hidden}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        lo = np.nanmin([best[key][h][m]["time_ratio_vs_vanilla"] for h in hws for m in best[key][h]])
+        ax.set_ylim(min(0.8, lo - 0.02), 1.1)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    _legend_outside(fig, axes[0][0], title="method (best R)")
+    fig.suptitle(f"modelled MoE-layer time vs vanilla, EP {data.get('ep', '?')} (* calibrated hardware)", fontsize=10)
+    return fig
+
+
 # ---- tables --------------------------------------------------------------------------------
 def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}") -> str:
     """``{row name: {column: value}}`` → an HTML table (numbers formatted, lists left out). Column
@@ -549,6 +621,20 @@ def build_report(from_dir: str, out_dir: str) -> dict:
                          label))
         for hw, rows in data["cost"].items():
             part.append(f"<p><b>{html.escape(hw)}</b> (µs per token)</p>" + html_table(rows, fmt="{:.3f}"))
+    for label, data in found["grid"]:
+        part.append(save(figure_grid(data), f"cost_grid_{_slug(label)}.png",
+                         "modelled MoE-layer time vs vanilla, every method at its best R", label))
+        table = {}
+        for (mode, batch, hidden), cells in sorted(grid_best(data["rows"]).items()):
+            for hw, by in cells.items():
+                sem = by.get("semmoe")
+                if sem:
+                    table[f"{mode} {batch} {hidden} {hw}"] = {
+                        "semmoe_R": sem["redundant"], "variant": sem.get("variant", ""),
+                        "vs_vanilla": sem["time_ratio_vs_vanilla"],
+                        "eplb_vs_vanilla": by["eplb"]["time_ratio_vs_vanilla"] if "eplb" in by else None}
+        part.append(f"<p><code>{html.escape(label)}</code>: Sem-MoE at its best R</p>"
+                    + html_table(table, ["semmoe_R", "variant", "vs_vanilla", "eplb_vs_vanilla"], fmt="{:.3f}"))
     sections.append(("Cost model", part or [skip("no `semmoe cost --json` output")]))
 
     body = "".join(f"<h2>{html.escape(title)}</h2>{''.join(items)}" for title, items in sections)

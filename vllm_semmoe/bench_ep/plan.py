@@ -60,14 +60,14 @@ class BenchPlan:
         return len(self.step_rows[method][1]) - 1
 
 
-def _as_trace(trace):
+def as_trace(trace):
     from ..trace import RoutingTrace
     from ..capture_store import load_trace
 
     return trace if isinstance(trace, RoutingTrace) else load_trace(trace)
 
 
-def _first_layers(trace, layers):
+def first_layers(trace, layers):
     from ..trace import RoutingTrace
 
     if layers is None or layers >= trace.num_layers:
@@ -119,7 +119,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         raise ValueError(f"sample must be one of {', '.join(SAMPLES)}, got {sample!r}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    full = _first_layers(_as_trace(trace), layers)
+    full = first_layers(as_trace(trace), layers)
     if full.num_experts % ranks:
         raise ValueError(f"{full.num_experts} experts cannot be split evenly over {ranks} ranks")
     check_redundant(redundant, full.num_experts, ranks)
@@ -152,7 +152,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
             plan_dev[name] = device[tp_rows].astype(np.int16)
         else:
             rank, _ = ev.dp_ranks(rest, tables, E, config)
-            plan_rows[name], plan_dev[name] = _dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
+            plan_rows[name], plan_dev[name] = dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
     if progress:
         progress(len(methods), len(methods), "solving")
     used = np.unique(np.concatenate([plan_rows[m][0] for m in methods]))
@@ -188,7 +188,7 @@ def sample_steps(total: int, max_batches: int | None, sample: str = "head") -> n
     return np.unique(np.linspace(0, total - 1, max_batches).round().astype(np.int64))
 
 
-def _dp_steps(trace, rank, ranks, batch_tokens, max_batches, sample="head"):
+def dp_steps(trace, rank, ranks, batch_tokens, max_batches, sample="head"):
     """Lock-stepped DP batches: each rank takes ``ceil(batch_tokens/E)`` tokens of its queue
     per step; the steps :func:`sample_steps` keeps."""
     from ..scheduling import slice_capacity

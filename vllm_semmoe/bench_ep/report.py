@@ -14,7 +14,7 @@ class BenchEPError(RuntimeError):
     """The benchmark could not run or its self-checks failed; the message says which."""
 
 
-def _aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
+def aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
     E, L = plan.ranks, plan.num_layers
     out = {"mode": plan.mode, "ranks": E, "hidden": cfg["hidden"], "expert_dim": cfg["expert_dim"],
            "dtype": cfg["dtype"], "batches": max(cfg["steps"].values()), "layers": L,

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from .plan import DEFAULT_METHODS, _as_trace, plan_bench_ep
-from .report import BenchEPError, _aggregate
-from .worker import _worker
+from .plan import DEFAULT_METHODS, as_trace, plan_bench_ep
+from .report import BenchEPError, aggregate
+from .worker import rank_main
 
 
 def _default_backend(ranks: int) -> str:
@@ -85,7 +85,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < ranks):
         raise BenchEPError(f"backend nccl needs one CUDA device per rank ({ranks}); "
                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} available")
-    trace = _as_trace(trace_path)  # TraceError ("trace file not found: ...") before anything starts
+    trace = as_trace(trace_path)  # TraceError ("trace file not found: ...") before anything starts
     started = time.perf_counter()
     plan = plan_bench_ep(trace, ranks, mode, methods, layers=layers, batch_tokens=batch_tokens,
                          max_batches=max_batches, profile_frac=profile_frac, seed=seed, redundant=redundant,
@@ -106,7 +106,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         ctx = tmp.get_context("spawn")
         queue = ctx.SimpleQueue()
         run_start = time.perf_counter()
-        context = tmp.start_processes(_worker, args=(ranks, workdir, cfg, queue), nprocs=ranks, join=False,
+        context = tmp.start_processes(rank_main, args=(ranks, workdir, cfg, queue), nprocs=ranks, join=False,
                                       start_method="spawn")
         try:
             while not context.join(timeout=0.5):
@@ -124,7 +124,7 @@ def run_bench_ep(trace_path, ranks: int, mode: str, methods=DEFAULT_METHODS, *, 
         for r in range(ranks):
             with np.load(os.path.join(workdir, f"result_{r}.npz")) as data:
                 per_rank.append({k: data[k] for k in data.files})
-    result = _aggregate(plan, cfg, per_rank)
+    result = aggregate(plan, cfg, per_rank)
     result.update(
         batch_tokens=int(batch_tokens), profile_frac=float(profile_frac), seed=int(seed), sample=sample,
         trace=os.path.basename(os.fspath(trace_path)) if not hasattr(trace_path, "experts") else "<in-memory>",

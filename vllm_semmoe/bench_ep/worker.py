@@ -30,7 +30,7 @@ def _expert(x, w1, w2):
     return torch.nn.functional.silu(x @ w1) @ w2
 
 
-def _worker(rank, world, workdir, cfg, queue):
+def rank_main(rank, world, workdir, cfg, queue):
     import torch
     import torch.distributed as dist
 
