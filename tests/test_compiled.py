@@ -33,6 +33,7 @@ pytest.importorskip("vllm")
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group,
     _post_json, _run_bounded, _tail, clear_outputs)
+from test_route import check_route_header_steers_requests  # noqa: E402
 
 ENGINE_TIMEOUT_S = 480
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -200,6 +201,8 @@ def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: 
             elif i in reference and answer["choices"][0].get("token_ids") != reference[i]:
                 problems.append(f"prompt {i}: want {reference[i]}, got {answer['choices'][0].get('token_ids')}")
         assert not problems, "\n".join(problems) + f"\n{_tail(log, 30)}"
+        # an outside router: `semmoe route`'s top rank, sent as vLLM's X-data-parallel-rank header
+        check_route_header_steers_requests(base, dp_tables, "tiny")
         text = log.read_text(errors="replace")
         assert "Sem-MoE DP routing over 2 ranks" in text
         assert "enforce_eager=False" in text and "DYNAMO_TRACE_ONCE" in text

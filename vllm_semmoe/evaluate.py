@@ -17,8 +17,10 @@ Every figure is counted per (token, layer, expert) activation:
 - DP only, the lock-step balance over windows of ``W = 32 × ranks`` consecutive requests
   (:func:`.scheduling.window_imbalance`), with work = prompt tokens + a decode weight
   (:func:`.scheduling.request_work`): ``window_imbalance`` of the method's rank choice, and on
-  the same arrivals ``window_imbalance_least_loaded`` (online least-loaded, no locality) and
-  ``window_imbalance_round_robin``; ``request_imbalance``: the same windows counting requests.
+  the same arrivals ``window_imbalance_<balancer>`` of each locality-blind balancer of
+  :data:`DP_BASELINES` (online least-loaded by work, round-robin, SGLang's ``total_requests`` and
+  ``total_tokens`` load-balance methods), and ``lar_<balancer>``: the LAR of the same placement
+  with that balancer's rank choice; ``request_imbalance``: the same windows counting requests.
 
 Multi-seed runs (:func:`compare_seeds`) report every figure as ``{"mean", "sd", "per_seed"}``.
 
@@ -58,22 +60,22 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
         oracle = counts.max(axis=2).sum()
     else:
         rank, imbalance = dp_ranks(trace, tables, E, config)
-        extra = dp_balance(trace, rank, E, config)
+        baselines = dp_baseline_ranks(trace, E, config)
+        extra = dp_balance(trace, rank, E, config, baselines)
         device = request_devices(trace, rank)
         per_request = np.add.reduceat(counts.sum(axis=1, dtype=np.int64), trace.offsets[:-1], axis=0)
         oracle = per_request.max(axis=1).sum()
-    local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
+    local, serving = _local_activations(trace, placement, tables, config, counts, device)
     activations = counts.size // E * trace.top_k
-    if placement.redundant:
-        if tables is None and served_by_vllm_eplb(placement):  # vLLM's EPLB: copies by token hash
-            serving = vllm_serving_device(placement.physical_to_logical(), E, trace.experts,
-                                          rank_rows(device, batch_starts(trace, config)))
-            local = (serving == device[:, :, None]).sum(axis=2)
-        else:
-            serving = placement.serving_device(trace.experts, device)  # [T, L, K]
+    if serving is not None:
         expert_load = np.stack([np.bincount(serving[:, l].ravel(), minlength=E) for l in range(trace.num_layers)])
     else:
         expert_load = counts.sum(axis=0, dtype=np.int64)  # [L, E]
+    if mode != ServingMode.TP:
+        for name, blind in baselines.items():
+            blind_local = _local_activations(trace, placement, tables, config, counts,
+                                             request_devices(trace, blind))[0]
+            extra[f"lar_{name}"] = float(blind_local.sum() / activations)
     out = {
         "lar": float(local.sum() / activations),
         "lar_token": float((local > 0).mean()),
@@ -88,19 +90,54 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     return out
 
 
-def dp_balance(trace: RoutingTrace, rank: np.ndarray, ep_size: int, config: "EvalConfig") -> dict:
+def _local_activations(trace, placement, tables, config, counts, device):
+    """``([T, L] activations served on the token's device, [T, L, K] serving device or None)``
+    of ``device [T, L]`` under ``placement`` (``counts``: its :func:`.tables.placement_device_counts`);
+    the serving device only for a replicated placement (see module docstring)."""
+    local = np.take_along_axis(counts, device[:, :, None], axis=2)[:, :, 0]
+    if not placement.redundant:
+        return local, None
+    if tables is None and served_by_vllm_eplb(placement):  # vLLM's EPLB: copies by token hash
+        serving = vllm_serving_device(placement.physical_to_logical(), placement.ep_size, trace.experts,
+                                      rank_rows(device, batch_starts(trace, config)))
+        return (serving == device[:, :, None]).sum(axis=2), serving
+    return local, placement.serving_device(trace.experts, device)  # [T, L, K]
+
+
+#: The locality-blind DP balancers every DP rank choice is reported beside (:func:`dp_baseline_ranks`).
+DP_BASELINES = ("least_loaded", "round_robin", "sglang_total_requests", "sglang_total_tokens")
+
+
+def dp_baseline_ranks(trace: RoutingTrace, ep_size: int, config: "EvalConfig") -> dict[str, np.ndarray]:
+    """``{balancer: [R] rank per request}`` for every :data:`DP_BASELINES` balancer on the trace's
+    arrivals: least-loaded by work (:func:`.scheduling.least_loaded_assign`), round-robin, and
+    SGLang's ``total_requests`` / ``total_tokens`` (:func:`.scheduling.sglang_total_requests_assign`,
+    :func:`.scheduling.sglang_total_tokens_assign`: requests, prompt tokens), all over the
+    balance window's in-flight requests."""
+    lengths = np.diff(trace.offsets)
+    work = scheduling.request_work(lengths, decode_weight(None, config))
+    W = config.window(ep_size)
+    return {
+        "least_loaded": scheduling.least_loaded_assign(work, ep_size, W),
+        "round_robin": scheduling.round_robin_assign(len(work), ep_size),
+        "sglang_total_requests": scheduling.sglang_total_requests_assign(len(work), ep_size, W),
+        "sglang_total_tokens": scheduling.sglang_total_tokens_assign(lengths.astype(np.float64), ep_size, W),
+    }
+
+
+def dp_balance(trace: RoutingTrace, rank: np.ndarray, ep_size: int, config: "EvalConfig",
+               baselines: dict[str, np.ndarray] | None = None) -> dict:
     """Lock-step balance of a DP rank choice ``rank [R]`` beside the locality-blind references
-    on the same arrivals (see module docstring for the keys)."""
+    on the same arrivals (see module docstring for the keys); ``baselines``: their
+    :func:`dp_baseline_ranks` where the caller has them."""
     work = scheduling.request_work(np.diff(trace.offsets), decode_weight(None, config))
     W = config.window(ep_size)
-    least = scheduling.least_loaded_assign(work, ep_size, W)
-    robin = scheduling.round_robin_assign(len(work), ep_size)
-    return {
-        "window_imbalance": scheduling.window_imbalance(rank, work, ep_size, W),
-        "window_imbalance_least_loaded": scheduling.window_imbalance(least, work, ep_size, W),
-        "window_imbalance_round_robin": scheduling.window_imbalance(robin, work, ep_size, W),
-        "request_imbalance": scheduling.window_imbalance(rank, np.ones(len(work)), ep_size, W),
-    }
+    out = {"window_imbalance": scheduling.window_imbalance(rank, work, ep_size, W)}
+    baselines = dp_baseline_ranks(trace, ep_size, config) if baselines is None else baselines
+    for name, blind in baselines.items():
+        out[f"window_imbalance_{name}"] = scheduling.window_imbalance(blind, work, ep_size, W)
+    out["request_imbalance"] = scheduling.window_imbalance(rank, np.ones(len(work)), ep_size, W)
+    return out
 
 
 def rank_load_curve(rank: np.ndarray, lengths: np.ndarray, ep_size: int, points: int = 50) -> dict:

@@ -486,6 +486,20 @@ def figure_grid(data: dict):
 
 
 # ---- tables --------------------------------------------------------------------------------
+def eval_columns(methods: dict) -> list[list[str]]:
+    """The numeric columns of ``semmoe eval``'s method rows in up to three tables, as the command
+    prints them: the methods' figures, the DP balance over windows (``window_imbalance*``,
+    ``request_imbalance``) and the DP locality under each locality-blind balancer (``lar_<rule>``)."""
+    cols = []
+    for row in methods.values():
+        cols += [c for c, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and c not in cols]
+    balance = [c for c in cols if c.startswith("window_imbalance") or c == "request_imbalance"]
+    own = ("lar_token", "lar_with_semmoe_sched")
+    under = [c for c in cols if c.startswith("lar_") and c not in own]
+    main = [c for c in cols if c not in balance and c not in under]
+    return [main] + [group for group in (balance, ["lar", *under] if under else []) if group]
+
+
 def html_table(rows: dict, columns: list[str] | None = None, fmt: str = "{:.4f}") -> str:
     """``{row name: {column: value}}`` → an HTML table (numbers formatted, lists left out). Column
     names may break after each ``_`` so a wide table wraps its header instead of widening the page;
@@ -566,7 +580,7 @@ def build_report(from_dir: str, out_dir: str) -> dict:
                              f"LAR per layer, every method, EP {data['ep']} {data['mode'].upper()}", label))
         else:
             part.append(skip(f"{label}: no lar_per_layer (written by an older semmoe eval)"))
-        part.append(html_table(data["methods"]))
+        part += [html_table(data["methods"], cols) for cols in eval_columns(data["methods"])]
     sections.append(("Local activation rate per layer", part or [skip("no `semmoe eval --json` output")]))
 
     # affinity

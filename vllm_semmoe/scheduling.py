@@ -11,9 +11,11 @@ local on each device" as stored in :class:`~vllm_semmoe.tables.SemMoETables`.
   the shuffled reduce-scatter and its inverse (applied by the shuffled all-gather).
 - Attention-DP (inter-request): :func:`request_votes` sums T2D votes over a prompt;
   :func:`dp_assign` picks ranks by :func:`dp_choose_balanced` (locality against the
-  ranks' work, :func:`request_work`: prompt tokens plus a decode weight); :func:`least_loaded_assign` and
-  :func:`round_robin_assign` are the locality-blind references, :func:`window_imbalance` the
-  lock-step balance figure.
+  ranks' work, :func:`request_work`: prompt tokens plus a decode weight); :func:`least_loaded_assign`,
+  :func:`round_robin_assign` and SGLang's DP-attention balancers (:func:`sglang_total_requests_assign`,
+  :func:`sglang_total_tokens_assign`) are the locality-blind references, :func:`window_imbalance` the
+  lock-step balance figure; :func:`dp_balanced_values` is what :func:`dp_choose_balanced` maximises,
+  for every rank (a rank ranking for an outside router, :mod:`.route`).
 """
 
 from __future__ import annotations
@@ -555,6 +557,88 @@ def least_loaded_assign(work, ep_size, window):
         if r >= window:
             load[rank[r - window]] -= work[r - window]
     return rank
+
+
+@numba.njit(cache=True)
+def sglang_total_requests_assign(num_requests, ep_size, window):
+    """SGLang's ``--load-balance-method total_requests`` (no locality): each request, in arrival
+    order, to the rank with the fewest requests among the last ``window`` (ties → lowest rank).
+
+    SGLang (``python/sglang/srt/managers/data_parallel_controller.py``,
+    ``DataParallelController.total_requests_scheduler`` → ``DPBudget.dispatch``): the rank is
+    ``total_requests.index(min(total_requests))``, then its count rises by one; the counts are
+    reset from each rank scheduler's load snapshot (``DPBudget.update_budget``: running plus
+    waiting requests), at most every 20 ms. Here the requests still in flight are the last
+    ``window`` (as in :func:`least_loaded_assign`); the snapshot's delay is not modelled.
+
+    Returns ``[num_requests]`` int64 rank per request.
+    """
+    rank = np.empty(num_requests, np.int64)
+    count = np.zeros(ep_size, np.int64)
+    for r in range(num_requests):
+        best = 0
+        for e in range(1, ep_size):
+            if count[e] < count[best]:
+                best = e
+        rank[r] = best
+        count[best] += 1
+        if r >= window:
+            count[rank[r - window]] -= 1
+    return rank
+
+
+@numba.njit(cache=True)
+def sglang_total_tokens_assign(tokens, ep_size, window):
+    """SGLang's ``--load-balance-method total_tokens`` (no locality): each request, in arrival
+    order, to the rank holding the fewest tokens of the last ``window`` requests; ties → the
+    rank with fewer of those requests, then the lowest rank.
+
+    SGLang (``python/sglang/srt/managers/data_parallel_controller.py``,
+    ``DataParallelController.total_tokens_scheduler`` → ``DPBudget.dispatch``): the rank is
+    ``min(range(dp_size), key=lambda i: (total_tokens[i], total_requests[i]))``, then its token
+    count rises by the request's ``len(input_ids)`` (its prompt) and its request count by one;
+    both are reset from the rank schedulers' load snapshots (``DPBudget.update_budget``:
+    ``num_total_tokens``, running plus waiting requests). Here the requests still in flight are
+    the last ``window`` and each holds what the dispatch adds, its prompt (the snapshot's
+    generated tokens and delay are not modelled).
+
+    Args:
+        tokens: ``[R]`` prompt tokens of each request (what one dispatch adds).
+    Returns:
+        ``[R]`` int64 rank per request.
+    """
+    R = len(tokens)
+    rank = np.empty(R, np.int64)
+    held = np.zeros(ep_size)
+    count = np.zeros(ep_size, np.int64)
+    for r in range(R):
+        best = 0
+        for e in range(1, ep_size):
+            if held[e] < held[best] or (held[e] == held[best] and count[e] < count[best]):
+                best = e
+        rank[r] = best
+        held[best] += tokens[r]
+        count[best] += 1
+        if r >= window:
+            held[rank[r - window]] -= tokens[r - window]
+            count[rank[r - window]] -= 1
+    return rank
+
+
+def dp_balanced_values(votes: np.ndarray, load: np.ndarray, mean_work: float, work: float, balance: float,
+                       price: np.ndarray) -> np.ndarray:
+    """``[E]`` float64 the value :func:`dp_choose_balanced` gives each rank (the rank it chooses
+    is the first maximum), without changing ``price``:
+
+        votes[e]  -  work · (price[e] + balance · (load[e] - min(load)) / mean_work²).
+
+    Arguments as :func:`dp_choose_balanced`'s.
+    """
+    votes = np.asarray(votes, np.float64)
+    load = np.asarray(load, np.float64)
+    mean_work = max(float(mean_work), 1e-30)
+    gap = balance / (mean_work * mean_work)
+    return votes - work * (np.asarray(price, np.float64) + gap * (load - load.min()))
 
 
 def round_robin_assign(num_requests: int, ep_size: int) -> np.ndarray:

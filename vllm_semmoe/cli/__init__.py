@@ -6,6 +6,7 @@
 - :mod:`.interop` — ``import`` (vLLM / SGLang routing), ``export`` (SGLang / vLLM placement files),
   ``report`` (HTML page with figures);
 - :mod:`.doctor` — ``doctor`` (this vLLM against every internal the plugin uses);
+- :mod:`.route` — ``route`` (Sem-MoE's DP rank choice for one request, for an outside router; no vLLM);
 - :mod:`.output` — JSON writing, progress bars, table cells shared by all commands.
 
 Each concern module has ``add_parsers(sub)``; a new command is added in its module and, for a new
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import costs, doctor, interop, offline, serving
+from . import costs, doctor, interop, offline, route, serving
 from .offline import (COLUMNS, DEFAULT_TRACE_HINT, format_affinity_comparison, format_affinity_table,
                       format_eval_table, method_names)
 from .output import DefaultsHelpFormatter, write_json
 from .serving import DEFAULT_SHAREGPT, serve_command
 
 #: The modules whose ``add_parsers(sub)`` make up ``semmoe``'s sub-commands, in help order.
-COMMAND_MODULES = (offline, costs, serving, interop, doctor)
+COMMAND_MODULES = (offline, costs, serving, interop, doctor, route)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,11 @@ DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
 COLUMNS = ("lar", "lar_token", "oracle_lar", "lar_with_semmoe_sched", "a2a_ratio", "imbalance",
            "expert_imbalance", "solve_s")
 DP_COLUMNS = ("window_imbalance", "window_imbalance_least_loaded", "window_imbalance_round_robin",
+              "window_imbalance_sglang_total_requests", "window_imbalance_sglang_total_tokens",
               "request_imbalance")
+#: DP locality: each method's LAR under its own rank choice and under each locality-blind balancer
+DP_LAR_COLUMNS = ("lar", "lar_least_loaded", "lar_round_robin", "lar_sglang_total_requests",
+                  "lar_sglang_total_tokens")
 
 
 def method_names() -> tuple[str, ...]:
@@ -131,6 +135,8 @@ def cmd_solve(args) -> int:
         if args.redundant:
             raise SystemExit("semmoe: --redundant applies to a solved placement, not to --placement FILE")
         placement = placement_from_file(args, profile)
+    elif args.objective == "time":
+        placement, note = solve_for_time_target(args, profile)
     else:
         placement = get_policy(args.method).solve(profile, args.ep, mode=args.mode, seed=args.seed,
                                                   redundant=args.redundant, progress=Progress())
@@ -143,10 +149,30 @@ def cmd_solve(args) -> int:
         f"{placement.method} placement for {placement.num_layers} layers x {placement.num_experts} experts "
         f"on EP {args.ep} ({args.mode} mode{replicas}) solved in {solve_s:.1f} s; tables in {args.out}"
     )
+    if args.objective == "time":
+        print(note)
     if args.json:
         write_json(args.json, dict(tables.manifest(), solve_s=solve_s, out=args.out,
                                    profile_requests=profile.num_requests, profile_tokens=profile.num_tokens))
     return 0
+
+
+def solve_for_time_target(args, profile):
+    """``solve --objective time``: the placement :mod:`vllm_semmoe.time_objective` picks for the
+    target (``--hardware``, ``--batch-tokens``, ``--hidden`` / ``--expert-intermediate``), and one
+    line saying which variant won, every candidate's modelled time and how to serve it."""
+    from ..cost_model import MoEShape
+    from ..time_objective import SCHEDULED, Target, solve_for_time
+
+    if args.method != "semmoe":
+        raise SystemExit(f"semmoe: --objective time chooses among Sem-MoE's variants; drop --method {args.method}")
+    target = Target(args.hardware, args.batch_tokens, MoEShape(args.hidden, args.expert_intermediate))
+    choice, placement, _ = solve_for_time(profile, args.ep, args.mode, args.redundant, target, seed=args.seed,
+                                          progress=Progress())
+    serve = (f"serve with --mode {args.mode}" if choice.variant in SCHEDULED else
+             "no data scheduling pays on this target: serve the placement with scheduling off "
+             "(placement-only)")
+    return placement, f"time objective: {choice.summary()}; {serve}"
 
 
 def placement_from_file(args, profile):
@@ -310,12 +336,20 @@ def format_eval_table(rows: dict, args, profile, trace) -> str:
 
 
 def format_dp_table(rows: dict) -> str:
-    """DP lock-step balance: work per rank over windows of 32 x ranks requests."""
+    """DP lock-step balance: work per rank over windows of 32 x ranks requests, of each method's
+    rank choice and of the locality-blind balancers (least-loaded, round-robin, SGLang's
+    ``total_requests`` and ``total_tokens``); then the LAR of each method's placement under its
+    own rank choice and under each of those balancers."""
     width = lambda c: max(len(c), 15) + 2  # noqa: E731
     lines = ["DP balance over windows of 32 x ranks requests (work = prompt tokens + decode weight):",
              f"{'method':<12}" + "".join(f"{c:>{width(c)}}" for c in DP_COLUMNS)]
     for name, row in rows.items():
         lines.append(f"{name:<12}" + "".join(_cell(row.get(c), width(c)) for c in DP_COLUMNS))
+    lines += ["DP locality: LAR of each placement under its own rank choice (lar) and under each "
+              "locality-blind balancer:",
+              f"{'method':<12}" + "".join(f"{c:>{width(c)}}" for c in DP_LAR_COLUMNS)]
+    for name, row in rows.items():
+        lines.append(f"{name:<12}" + "".join(_cell(row.get(c), width(c)) for c in DP_LAR_COLUMNS))
     return "\n".join(lines)
 
 
@@ -362,6 +396,17 @@ def add_parsers(sub) -> None:
                                        "offline-EPLB file instead of solving (--method is then ignored)")
     p.add_argument("--dense-layers", type=non_negative_int, default=0,
                    help="with an SGLang --placement file: leading model layers without experts to skip")
+    p.add_argument("--objective", choices=("locality", "time"), default="locality",
+                   help="locality: the paper's co-clustering (default); time: of Sem-MoE's variants and the "
+                        "balanced fallbacks, the one with the least modelled MoE-layer step time on the "
+                        "target below (vllm_semmoe.time_objective)")
+    p.add_argument("--hardware", default="deepep-normal-1node",
+                   help="--objective time: hardware set of the cost model (see `semmoe cost --hardware`)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096,
+                   help="--objective time: tokens per step over all ranks (default 4096, prefill-sized)")
+    p.add_argument("--hidden", type=positive_int, default=2048, help="--objective time: model hidden size")
+    p.add_argument("--expert-intermediate", type=positive_int, default=1408,
+                   help="--objective time: expert intermediate size")
     add_json_argument(p, "the tables' manifest and solve time")
     p.set_defaults(func=cmd_solve)
 

@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from .. import scheduling
+from ..route import dp_rank_votes
 from ..tables import SemMoETables
 
 logger = logging.getLogger("vllm.semmoe")
@@ -62,12 +63,9 @@ class DpRouter:
         self.metrics = _prometheus_counters()
 
     def votes(self, prompt_token_ids) -> np.ndarray:
-        """``[num_ranks]`` predicted local activations of the prompt on each DP rank."""
-        tokens = np.asarray(prompt_token_ids, np.int64)
-        rows = self.tables.token_rows(tokens)
-        per_device = scheduling.request_votes(rows, np.array([0, len(tokens)]), self.t2d,
-                                              self.tables.oov_score)[0]
-        return per_device.reshape(self.num_ranks, self.ranks_per_dp).sum(axis=1)
+        """``[num_ranks]`` predicted local activations of the prompt on each DP rank
+        (:func:`vllm_semmoe.route.dp_rank_votes`, what ``semmoe route`` scores too)."""
+        return dp_rank_votes(self.tables, prompt_token_ids, self.num_ranks, t2d_score=self.t2d)
 
     @property
     def in_flight_requests(self) -> np.ndarray:
