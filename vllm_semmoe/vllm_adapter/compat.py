@@ -1,17 +1,21 @@
-"""Every vLLM internal the adapter reaches, in one place (vLLM 0.32.x and 0.33.x).
+"""Every vLLM internal the adapter reaches, in one place, per vLLM version (0.32.x-0.34.x).
 
-:data:`INTERNALS` lists them: where each lives, what kind of thing it is, the call signature
-the adapter relies on, and what needs it. Three things read that list:
+:data:`INTERNALS` lists them: where each lives, what kind of thing it is, which surface of vLLM
+it belongs to (:data:`SURFACES`), the call signature the adapter relies on, what needs it, the
+vLLM versions that need it, and, for model-runner / worker members, why no public surface
+serves. :data:`REFUSED_FEATURES` names, per version, the features the plugin refuses at engine
+start there and why. Three things read these:
 
 - :func:`check_vllm` at plugin start-up (live: import, ``getattr``, ``inspect.signature``);
 - ``semmoe doctor`` (:mod:`.doctor`), which checks an installed vLLM or a vLLM *source* (an
   unpacked tree or a wheel read as a zip) by parsing it with :mod:`ast`, without importing it;
 - the accessors below, the only code in the adapter that touches these names.
 
-Per-version differences are kept here and nowhere else (see :func:`dp_queue_scores`).
-Model-structure attributes of the decoder layers the TP shuffle fuses (``input_layernorm``,
-``self_attn.o_proj``, ``post_attention_layernorm``, ``mlp.experts``) belong to the model
-architecture, not to vLLM's internals; the shuffle checks them per layer when it installs.
+Per-version differences are kept here and nowhere else (see :func:`internals_for`,
+:func:`refused_features`, :func:`dp_queue_scores`). Model-structure attributes of the decoder
+layers the TP shuffle fuses (``input_layernorm``, ``self_attn.o_proj``,
+``post_attention_layernorm``, ``mlp.experts``) belong to the model architecture, not to vLLM's
+internals; the shuffle checks them per layer when it installs.
 """
 
 from __future__ import annotations
@@ -21,8 +25,39 @@ import inspect
 import re
 from dataclasses import dataclass
 
-#: vLLM (major, minor) versions this adapter supports
-SUPPORTED_VERSIONS = ((0, 32), (0, 33))
+#: vLLM (major, minor) versions this adapter supports (some features refused per version:
+#: :data:`REFUSED_FEATURES`)
+SUPPORTED_VERSIONS = ((0, 32), (0, 33), (0, 34))
+
+#: the versions whose GPU model runner is ``vllm/v1/worker/gpu_model_runner.py`` (model runner
+#: v1), the step source of the capture, the TP shuffle and the MoE counters
+RUNNER_V1 = ((0, 32), (0, 33))
+
+#: the surfaces of vLLM the internals belong to, from the sturdiest to the most private
+SURFACES = ("engine config", "model layer", "communicator", "engine client", "runner/worker", "process fix")
+
+_STEP_SOURCE_V2 = (
+    "vLLM {version} replaced the GPU model runner (model runner v2, vllm/v1/worker/gpu/model_runner.py): "
+    "it runs the model inline in execute_model and keeps the step's batch (request ids, prompt lengths, token "
+    "bounds) local to it, so the plugin has no per-step source there yet")
+
+#: version -> feature -> why the plugin refuses it at engine start on that version. Features:
+#: ``capture`` (the routing capture), ``tp`` / ``dp`` (the serving modes), ``dispatch`` (the
+#: sparse or metered DP + EP dispatch and its MoE counters)
+REFUSED_FEATURES: dict[tuple[int, int], dict[str, str]] = {
+    (0, 34): {
+        "capture": _STEP_SOURCE_V2 + " (a capture records every real step's requests and tokens)",
+        "tp": _STEP_SOURCE_V2 + " (the TP shuffle schedules each step from its tokens)",
+        "dp": _STEP_SOURCE_V2 + " (mode dp meters every step's routing)",
+        "dispatch": _STEP_SOURCE_V2 + " (the dispatch's MoE counters count real steps only)",
+    },
+}
+
+#: version -> the reason of its refusals in a few words (``semmoe doctor --one-line``)
+REFUSED_SUMMARY: dict[tuple[int, int], str] = {(0, 34): "model runner v2: no per-step source yet"}
+
+#: ``needed_by`` group -> the features that use it (``all`` and ``cpu``: always needed)
+_GROUP_FEATURES = {"capture": ("capture", "tp", "dp", "dispatch"), "tp": ("tp",), "dp": ("dp", "dispatch")}
 
 _MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -32,6 +67,22 @@ _BASE_ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router"
 _ROUTED = "vllm.model_executor.layers.fused_moe.routed_experts"
 _DEVICE_COMM = "vllm.distributed.device_communicators.base_device_communicator"
 _NAIVE_DP_EP = "vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep"
+_NO_BATCH = ("the forward context and its attention metadata carry token bounds and positions but no "
+             "request ids or prompt lengths; the scheduler's output has them but not the batch order")
+
+
+def _surface_of(module: str) -> str:
+    if module.startswith("vllm.v1.worker"):
+        return "runner/worker"
+    if module.startswith("vllm.v1.engine"):
+        return "engine client"
+    if module.startswith(("vllm.distributed.device_communicators", _PARALLEL)):
+        return "communicator"
+    if module.startswith(("vllm.config", "vllm.engine.arg_utils")):
+        return "engine config"
+    if module.startswith("vllm.triton_utils"):
+        return "process fix"
+    return "model layer"  # MoE layers, routers, EPLB maps, the forward context, custom ops
 
 
 @dataclass(frozen=True)
@@ -48,6 +99,10 @@ class Internal:
             joined by ``", "``).
         why: what the adapter does with it.
         mentions: names the definition must mention (e.g. parameters it registers by name).
+        versions: the ``(major, minor)`` versions that need it (empty: every supported version).
+        surface: which surface of vLLM it belongs to (:data:`SURFACES`; derived from ``module``
+            when not given).
+        no_public: for a model-runner / worker member: why no public surface serves instead.
     """
 
     module: str
@@ -57,10 +112,28 @@ class Internal:
     needed_by: str = "all"
     why: str = ""
     mentions: tuple[str, ...] = ()  # string constants the definition must contain (source check)
+    versions: tuple[tuple[int, int], ...] = ()
+    surface: str = ""
+    no_public: str = ""
+
+    def __post_init__(self):
+        if not self.surface:
+            object.__setattr__(self, "surface", _surface_of(self.module))
+        assert self.surface in SURFACES, self.surface
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.qualname}"
+
+    def needed_on(self, version: str) -> bool:
+        """Whether vLLM ``version`` needs this internal (its CPU fixes only on a CPU build)."""
+        if self.needed_by == "cpu" and not is_cpu_build(version):
+            return False
+        if self.versions and version_key(version) not in self.versions:
+            return False
+        refused = refused_features(version)
+        return any(group not in _GROUP_FEATURES or not refused.keys() >= set(_GROUP_FEATURES[group])
+                   for group in self.needed_by.split(", "))
 
 
 INTERNALS: tuple[Internal, ...] = (
@@ -109,14 +182,18 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_MOE_RUNNER, "MoERunner._quant_method", "attribute", needed_by="tp",
              why="topk_indices_dtype for select_experts"),
     Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.topk_indices_dtype",
-             "attribute", needed_by="tp", why="dtype of the expert ids"),
+             "attribute", why="dtype of the expert ids (TP shuffle, placement self-check)"),
     Internal("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn", "function",
              ("self", "capture_fn"), needed_by="capture", why="feeds the routing recorder"),
     Internal("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.capture_fn", "attribute",
-             needed_by="tp", why="suspended while the TP shuffle gates a slice"),
+             why="suspended while the TP shuffle gates a slice and while the placement self-check routes"),
     Internal("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter.select_experts",
-             "function", ("self", "hidden_states", "router_logits"), needed_by="tp",
-             why="expert choice on this rank's slice"),
+             "function", ("self", "hidden_states", "router_logits"),
+             why="expert choice on this rank's slice (TP shuffle); the placement self-check's routing"),
+    Internal(_ROUTED, "RoutedExperts._map_global_expert_id_to_local_expert_id", "function", ("self", "expert_id"),
+             why="placement self-check: the physical slots this rank holds"),
+    Internal(_MOE_RUNNER, "MoERunner.moe_config", "attribute",
+             why="placement self-check: hidden size of a layer without its own gate"),
     Internal("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.forward_modular", "function",
              ("self", "x", "topk_weights", "topk_ids"), needed_by="tp, dp",
              why="this rank's experts on its own and received rows"),
@@ -141,6 +218,8 @@ INTERNALS: tuple[Internal, ...] = (
              why="layout buffers that must not be re-placed"),
     Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig.num_logical_experts", "attribute",
              why="redundant expert slots refused"),
+    Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig.num_experts", "attribute",
+             why="physical expert slots: the replica slots the layer was built with, fused shared-expert slots"),
     Internal("vllm.model_executor.layers.fused_moe.config", "FusedMoEParallelConfig.enable_eplb", "attribute",
              why="placement refused with EPLB"),
     Internal("vllm.config.parallel", "ParallelConfig.enable_eplb", "attribute",
@@ -158,30 +237,44 @@ INTERNALS: tuple[Internal, ...] = (
              why="registers the expert weights w13_weight / w2_weight whose weight_loader the placement wraps"),
     Internal("vllm.model_executor.layers.linear", "RowParallelLinear.reduce_results", "attribute", needed_by="tp",
              why="attention output left unreduced for the shuffled reduce-scatter"),
-    # model runner: real forward steps, capture, flush
+    # model runner (0.32, 0.33: vllm/v1/worker/gpu_model_runner.py; the CPU runner inherits it):
+    # real forward steps, capture, flush. Model runner v2 (0.34) has none of these: the features
+    # that need a step source are refused there (REFUSED_FEATURES).
     Internal(_RUNNER, "GPUModelRunner._model_forward", "function", ("self", "input_ids", "positions"),
-             needed_by="capture", why="hooked: open/close the step context around real steps"),
+             needed_by="capture", versions=RUNNER_V1, why="hooked: open/close the step context around real steps",
+             no_public="the one call that runs the model for real steps only (warm-up, profiling and dummy "
+                       "batches bypass it); the forward context is set for those runs too and names no request"),
     Internal("vllm.v1.worker.gpu_worker", "Worker.execute_dummy_batch", "function", ("self",), needed_by="dp",
-             why="hooked: the dummy batches an idle DP rank runs in lock-step count in the MoE counters"),
-    Internal("vllm.v1.worker.gpu_worker", "Worker.model_runner", "attribute", needed_by="dp",
-             why="the engine state of a worker"),
-    Internal(_RUNNER, "GPUModelRunner.get_model", "function", ("self",), why="the engine's model (its state key)"),
-    Internal(_RUNNER, "GPUModelRunner.shutdown", "function", ("self",), needed_by="capture",
-             why="hooked: write the capture when the engine stops"),
-    Internal(_RUNNER, "GPUModelRunner.input_batch", "attribute", needed_by="capture",
-             why="request ids and prompt lengths of the step"),
-    Internal(_RUNNER, "GPUModelRunner.query_start_loc", "attribute", needed_by="capture",
-             why="token bounds of each request in the step"),
+             versions=RUNNER_V1,
+             why="hooked: the dummy batches an idle DP rank runs in lock-step count in the MoE counters",
+             no_public="the worker's own RPC for an idle DP rank's lock-step batch; nothing else marks it"),
+    Internal("vllm.v1.worker.gpu_worker", "Worker.model_runner", "attribute", needed_by="dp", versions=RUNNER_V1,
+             why="the engine state of a worker",
+             no_public="a worker reaches its model only through its runner (vLLM's own worker code does the same)"),
+    Internal(_RUNNER, "GPUModelRunner.get_model", "function", ("self",), needed_by="capture", versions=RUNNER_V1,
+             why="the engine's model (its state key)",
+             no_public="the runner's public accessor of its model, which vLLM's worker calls itself"),
+    Internal(_RUNNER, "GPUModelRunner.shutdown", "function", ("self",), needed_by="capture", versions=RUNNER_V1,
+             why="hooked: write the capture when the engine stops",
+             no_public="engines in worker processes end here on SIGTERM; vLLM has no plugin shutdown callback"),
+    Internal(_RUNNER, "GPUModelRunner.input_batch", "attribute", needed_by="capture", versions=RUNNER_V1,
+             why="request ids and prompt lengths of the step",
+             no_public=_NO_BATCH),
+    Internal(_RUNNER, "GPUModelRunner.query_start_loc", "attribute", needed_by="capture", versions=RUNNER_V1,
+             why="token bounds of each request in the step",
+             no_public="the attention metadata's query_start_loc is per attention backend (and a device "
+                       "tensor); the runner's CPU copy is the one every backend is built from"),
     Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "attribute", needed_by="capture",
-             why="request ids"),
-    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "attribute", needed_by="capture",
-             why="requests in the step"),
+             versions=RUNNER_V1, why="request ids (their number: the step's requests)", no_public=_NO_BATCH),
     Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_prompt_tokens", "attribute", needed_by="capture",
-             why="prompt length (prefill/decode marking)"),
+             versions=RUNNER_V1, why="prompt length (prefill/decode marking)", no_public=_NO_BATCH),
     Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.token_ids_cpu", "attribute", needed_by="capture",
-             why="token ids of the positions a step skips (prefix-cache hits), recorded as not routed"),
-    Internal(_RUNNER, "GPUModelRunner.requests", "attribute", needed_by="capture",
-             why="the requests the engine still holds (the capture's coverage records of others are dropped)"),
+             versions=RUNNER_V1,
+             why="token ids of the positions a step skips (prefix-cache hits), recorded as not routed",
+             no_public="prefix-cache hits are never run through the model, so no model-side surface sees them"),
+    Internal(_RUNNER, "GPUModelRunner.requests", "attribute", needed_by="capture", versions=RUNNER_V1,
+             why="the requests the engine still holds (the capture's coverage records of others are dropped)",
+             no_public="finished requests reach the worker only inside the runner's state update"),
     Internal("vllm.forward_context", "get_forward_context", "function", (),
              why="the per-step context the plugin's ops read the engine state from"),
     Internal("vllm.forward_context", "is_forward_context_available", "function", (),
@@ -198,8 +291,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib", "dispatch_key"),
              why="registers the plugin's opaque ops"),
     # collectives
-    Internal(_PARALLEL, "get_ep_group", "function", (), needed_by="tp, dp",
-             why="EP group of the shuffle and of the sparse dispatch"),
+    Internal(_PARALLEL, "get_ep_group", "function", (),
+             why="EP group of the shuffle and of the sparse dispatch; this EP rank (replica placement)"),
     Internal(_PARALLEL, "get_tp_group", "function", (), needed_by="tp", why="TP group (shuffled reduce-scatter)"),
     Internal(_PARALLEL, "get_tensor_model_parallel_rank", "function", (), why="TP rank 0 writes the capture"),
     Internal("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase.moe_kernel",
@@ -237,7 +330,7 @@ INTERNALS: tuple[Internal, ...] = (
              needed_by="capture", why="metered"),
     Internal(_DEVICE_COMM, "DeviceCommunicatorBase.all_gatherv", "function", ("self", "input_", "dim", "sizes"),
              needed_by="capture", why="metered"),
-    Internal(_PARALLEL, "GroupCoordinator.rank_in_group", "attribute", needed_by="tp", why="this rank"),
+    Internal(_PARALLEL, "GroupCoordinator.rank_in_group", "attribute", why="this rank (TP shuffle, replica placement)"),
     Internal(_PARALLEL, "GroupCoordinator.world_size", "attribute", needed_by="tp", why="group size"),
     Internal(_PARALLEL, "GroupCoordinator.cpu_group", "attribute", needed_by="tp", why="gloo group for CPU tensors"),
     Internal(_PARALLEL, "GroupCoordinator.device_group", "attribute", needed_by="tp", why="NCCL group"),
@@ -262,7 +355,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_CORE_CLIENT, "MPClient.vllm_config", "attribute", needed_by="dp", why="the semmoe settings"),
     # process-wide fixes
     Internal("vllm.triton_utils.dispatcher", "_rebind_kernels", "function", (), needed_by="all",
-             why="its module-level vars() is given a version that tolerates llvmlite objects"),
+             versions=RUNNER_V1,
+             why="its module-level vars() is given a version that tolerates llvmlite objects (0.34's "
+                 "_rebind_impls tolerates them itself)"),
     Internal("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.apply", "function",
              ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
               "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
@@ -287,6 +382,75 @@ def version_supported(version: str) -> bool:
 
 def supported_text() -> str:
     return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERSIONS)
+
+
+def version_key(version: str) -> tuple[int, int]:
+    """The supported ``(major, minor)`` whose internals ``version`` is checked against: its own,
+    else the nearest supported one (a newer release is checked as the newest supported)."""
+    mm = major_minor(version)
+    if mm in SUPPORTED_VERSIONS:
+        return mm
+    if mm is None or mm > SUPPORTED_VERSIONS[-1]:
+        return SUPPORTED_VERSIONS[-1]
+    return SUPPORTED_VERSIONS[0]
+
+
+def internals_for(version: str) -> list[Internal]:
+    """The internals vLLM ``version`` needs (its version's, its build's CPU fixes)."""
+    return [i for i in INTERNALS if i.needed_on(version)]
+
+
+def surface_counts(version: str) -> dict[str, int]:
+    """How many internals ``version`` needs, per surface (:data:`SURFACES` order)."""
+    needed = internals_for(version)
+    return {surface: sum(i.surface == surface for i in needed) for surface in SURFACES}
+
+
+def refused_features(version: str) -> dict[str, str]:
+    """Feature -> why the plugin refuses it at engine start on vLLM ``version`` (``{}``: none)."""
+    return {feature: why.format(version=version) for feature, why in
+            REFUSED_FEATURES.get(version_key(version), {}).items()}
+
+
+def refused_summary(version: str) -> str:
+    """Why vLLM ``version`` refuses its :func:`refused_features`, in a few words (``""``: none)."""
+    return REFUSED_SUMMARY.get(version_key(version), "")
+
+
+def has_step_source(version: str) -> bool:
+    """Whether the plugin hooks the real forward steps of vLLM ``version``'s model runner."""
+    return version_key(version) in RUNNER_V1
+
+
+def features_used(config, parallel_config=None) -> list[str]:
+    """The features of :data:`REFUSED_FEATURES` a validated semmoe ``config`` uses."""
+    mode = str(getattr(config.mode, "value", config.mode))
+    used = ["capture"] if config.capture is not None else []
+    if mode in ("tp", "dp"):
+        used.append(mode)
+    dispatch = config.resolved_dispatch(parallel_config) if parallel_config is not None else config.dispatch
+    if dispatch == "sparse" or (dispatch == "vllm" and config.records):  # placement-only leaves vLLM's alone
+        used.append("dispatch")
+    return used
+
+
+def check_features(config, parallel_config=None, version: str | None = None) -> None:
+    """Raise :class:`~.config.SemMoEConfigError` naming the first feature ``config`` uses that
+    vLLM ``version`` (the installed one by default) does not support, and why."""
+    version = version or vllm_version()
+    refused = refused_features(version)
+    for feature in features_used(config, parallel_config):
+        if feature in refused:
+            from .config import SemMoEConfigError
+
+            raise SemMoEConfigError(
+                f"semmoe: {_FEATURE_NAMES[feature]} is not supported on vLLM {version}: {refused[feature]}. "
+                f"Use vLLM {' or '.join(f'{a}.{b}' for a, b in RUNNER_V1)} for it, or leave it out "
+                "(placement-only serving with tables works here).")
+
+
+_FEATURE_NAMES = {"capture": "the routing capture ('capture')", "tp": "mode 'tp'", "dp": "mode 'dp'",
+                  "dispatch": "the DP + EP dispatch ('dispatch')"}
 
 
 def vllm_version() -> str:
@@ -349,9 +513,7 @@ def is_cpu_build(version: str) -> bool:
 def check_vllm() -> None:
     """Raise ``RuntimeError`` naming the vLLM version or internals this adapter cannot work with."""
     version = vllm_version()
-    cpu = is_cpu_build(version)
-    problems = [f"{i.name}: {why}" for i in INTERNALS
-                if (i.needed_by != "cpu" or cpu) and (why := check_live(i)) is not None]
+    problems = [f"{i.name}: {why}" for i in internals_for(version) if (why := check_live(i)) is not None]
     if problems or not version_supported(version):
         raise RuntimeError(
             f"vllm-semmoe supports vLLM {supported_text()}; this is vLLM {version}"
@@ -541,9 +703,10 @@ def step_batch(runner):
     import numpy as np
 
     batch = runner.input_batch
-    num_reqs = batch.num_reqs
+    req_ids = list(batch.req_ids)  # condensed before every step: exactly the step's requests
+    num_reqs = len(req_ids)
     bounds = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64).copy()
-    return list(batch.req_ids[:num_reqs]), np.asarray(batch.num_prompt_tokens[:num_reqs]).copy(), bounds
+    return req_ids, np.asarray(batch.num_prompt_tokens[:num_reqs]).copy(), bounds
 
 
 # ---- MoE layer pieces used by the TP shuffle --------------------------------------------------

@@ -241,12 +241,12 @@ class Result:
 
 
 def check_source(source: VllmSource, version: str) -> list[Result]:
-    """Check every internal against ``source`` (``version`` decides whether CPU fixes are needed)."""
+    """Check every internal against ``source`` (``version`` decides which are needed: its
+    version's, its build's CPU fixes, none only the features refused there use)."""
     resolver = Resolver(source)
-    cpu = compat.is_cpu_build(version)
     results = []
     for internal in compat.INTERNALS:
-        needed = internal.needed_by != "cpu" or cpu
+        needed = internal.needed_on(version)
         found = resolver.find(internal)
         if found is None:
             results.append(Result(internal, False, False, needed, "not found"))
@@ -283,6 +283,39 @@ LAYOUTS = (
 )
 
 
+def _not_needed_why(internal: compat.Internal, version: str) -> str:
+    if internal.needed_by == "cpu" and not compat.is_cpu_build(version):
+        return "CPU fix"
+    if internal.versions and compat.version_key(version) not in internal.versions:
+        return "vLLM " + ", ".join(f"{a}.{b}" for a, b in internal.versions) + " only"
+    return "its features are refused here"
+
+
+def surface_lines(version: str) -> list[str]:
+    """How many internals each supported vLLM version needs, per surface (``version``'s own
+    build for its line, the CUDA build for the others)."""
+    lines = [f"internals needed, by surface ({', '.join(compat.SURFACES)}):"]
+    checked = compat.major_minor(version)
+    for major, minor in compat.SUPPORTED_VERSIONS:
+        this = (major, minor) == checked
+        counts = compat.surface_counts(version if this else f"{major}.{minor}.0")
+        lines.append(f"  vLLM {major}.{minor}: {sum(counts.values()):>3} = "
+                     + " + ".join(str(n) for n in counts.values()) + ("   <- this vLLM" if this else ""))
+    return lines
+
+
+def served_modes(results: list[Result], version: str) -> list[str]:
+    """The modes vLLM ``version`` serves: supported version, every internal they need there,
+    none refused there."""
+    if not compat.version_supported(version):
+        return []
+    broken = {group for r in results if r.needed and not (r.present and r.compatible)
+              for group in r.internal.needed_by.split(", ")}
+    refused = compat.refused_features(version)
+    return [str(m) for m, groups in FEATURES.items()
+            if not broken & set(groups) and str(getattr(m, "value", m)) not in refused]
+
+
 def report(results: list[Result], version: str, where: str) -> tuple[list[str], bool]:
     """Lines to print and whether everything needed is present and compatible."""
     supported = compat.version_supported(version)
@@ -293,14 +326,17 @@ def report(results: list[Result], version: str, where: str) -> tuple[list[str], 
     for r in results:
         status = "ok" if r.present and r.compatible else "MISSING" if not r.present else "INCOMPATIBLE"
         if not r.needed:
-            status = f"{status} (not needed: {'CPU fix' if r.internal.needed_by == 'cpu' else 'unused'})"
+            status = f"{status} (not needed: {_not_needed_why(r.internal, version)})"
         elif status != "ok":
             ok = False
         lines.append(f"  {r.internal.name:<{width}}  {status:<12} {r.detail}")
-    broken = {group for r in results if r.needed and not (r.present and r.compatible)
-              for group in r.internal.needed_by.split(", ")}
-    modes = [m for m, groups in FEATURES.items() if supported and not broken & set(groups)]
+    lines.extend(surface_lines(version))
+    refused = compat.refused_features(version)
+    modes = served_modes(results, version)
     lines.append("modes: " + (", ".join(modes) if modes else "none"))
+    if refused:
+        lines.append(f"refused at engine start on vLLM {version} (the refusal names the feature and why):")
+        lines.extend(f"  {feature}: {why}" for feature, why in refused.items())
     cpu = compat.is_cpu_build(version)
     lines.append("compilation: " + ("compiled (Dynamo, vLLM's CPU default) and --enforce-eager" if cpu else
                                     "piecewise CUDA graphs (the plugin's ops split the graph) and --enforce-eager; "
@@ -311,8 +347,31 @@ def report(results: list[Result], version: str, where: str) -> tuple[list[str], 
     return lines, ok
 
 
-def run_doctor(vllm_source: str | None = None) -> int:
-    """Print the check of ``vllm_source`` (a tree or wheel) or of the installed vLLM; exit code."""
+def summary_line(results: list[Result], version: str) -> str:
+    """The check in one line: version, supported or not, the modes served, what is refused at
+    start, and what is missing or incompatible."""
+    _, ok = report(results, version, "")
+    refused = compat.refused_features(version)
+    needed = [r for r in results if r.needed]
+    parts = [f"vLLM {version}: " + ("supported" if ok else "NOT supported")]
+    if not compat.version_supported(version):
+        parts.append(f"version outside {compat.supported_text()}")
+    if ok:
+        parts.append("modes " + ", ".join(served_modes(results, version)))
+    if refused:
+        parts.append("refused at start: " + ", ".join(refused) + f" ({compat.refused_summary(version)})")
+    missing = [r.internal.name for r in needed if not r.present]
+    incompatible = [r.internal.name for r in needed if r.present and not r.compatible]
+    parts.append(f"{len(needed)} internals needed, " + (
+        "all present" if not missing and not incompatible else
+        "; ".join(filter(None, [f"missing: {', '.join(missing)}" if missing else "",
+                                f"incompatible: {', '.join(incompatible)}" if incompatible else ""]))))
+    return "; ".join(parts)
+
+
+def run_doctor(vllm_source: str | None = None, one_line: bool = False) -> int:
+    """Print the check of ``vllm_source`` (a tree or wheel) or of the installed vLLM (``one_line``:
+    :func:`summary_line` only); exit code."""
     try:
         if vllm_source:
             source = VllmSource(vllm_source)
@@ -323,6 +382,7 @@ def run_doctor(vllm_source: str | None = None) -> int:
     except SourceError as exc:
         print(f"semmoe doctor: {exc}")
         return 2
-    lines, ok = report(check_source(source, version), version, where)
-    print("\n".join(lines))
+    results = check_source(source, version)
+    lines, ok = report(results, version, where)
+    print(summary_line(results, version) if one_line else "\n".join(lines))
     return 0 if ok else 1

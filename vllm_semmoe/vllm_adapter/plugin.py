@@ -2,9 +2,11 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), so
 it is idempotent and changes no model unless ``additional_config={"semmoe": {...}}`` is set.
-It first checks that this vLLM has every internal the plugin uses (:mod:`.compat`); on a
-mismatch it fails loudly, naming what is missing (exclude the plugin with ``VLLM_PLUGINS`` to
-run without it; ``semmoe doctor`` prints the full check).
+It first checks that this vLLM has every internal the plugin uses on its version
+(:mod:`.compat`); on a mismatch it fails loudly, naming what is missing (exclude the plugin with
+``VLLM_PLUGINS`` to run without it; ``semmoe doctor`` prints the full check). A feature a vLLM
+version cannot serve (:data:`.compat.REFUSED_FEATURES`) is refused at engine start, named with
+the reason; its hooks are not installed there.
 
 Hooks (all pass through untouched when ``semmoe`` is not configured):
 
@@ -13,9 +15,9 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
 - ``BaseModelLoader.create_model``: build the MoE layers with the tables' replica slots, install
   the placement before weights load and create the engine's :class:`~.state.SemMoEState`
   (recorder, TP-shuffle layers, dispatch) (:mod:`.install`);
-- ``GPUModelRunner._model_forward`` (the CPU runner inherits it): open the step context of
-  real forward steps (warm-up and profiling runs do not come through here); publish the MoE
-  exchange counters after each;
+- ``GPUModelRunner._model_forward`` (model runner v1: vLLM 0.32-0.33; the CPU runner inherits
+  it): open the step context of real forward steps (warm-up and profiling runs do not come
+  through here); publish the MoE exchange counters after each;
 - ``Worker.execute_dummy_batch``: under DP + EP, count the MoE traffic of the dummy batches an
   idle rank runs in lock-step with the serving ones;
 - ``GPUModelRunner.shutdown``: write the capture (:mod:`.recording`);
@@ -70,8 +72,11 @@ def register() -> None:
     ops.register_ops()
     _patch_engine_args()
     _patch_model_loader()
-    _patch_model_runner()
-    _patch_dp_router()
+    version = compat.vllm_version()
+    if compat.has_step_source(version):  # else the features that need it are refused at start
+        _patch_model_runner()
+    if "dp" not in compat.refused_features(version):
+        _patch_dp_router()
     _REGISTERED = True
 
 
@@ -108,6 +113,7 @@ def _patch_engine_args() -> None:
         vllm_config = original(self, *args, **kwargs)
         config = _semmoe_config(vllm_config)
         if config is not None:
+            compat.check_features(config, vllm_config.parallel_config)
             check_engine_config(config, vllm_config)
         return vllm_config
 
@@ -123,6 +129,8 @@ def _patch_model_loader() -> None:
     @functools.wraps(original)
     def create_model(self, vllm_config, model_config, prefix: str = ""):
         config = _semmoe_config(vllm_config)
+        if config is not None:  # engines built without EngineArgs are refused here
+            compat.check_features(config, vllm_config.parallel_config)
         tables = config.read_tables() if config is not None else None  # read once, before the build
         with compat.redundant_expert_slots(vllm_config, replica_slots(tables)):
             model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
