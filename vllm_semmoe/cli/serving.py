@@ -186,7 +186,8 @@ def cmd_demo(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     from ..policy import POLICIES as POLICY_CLASSES
-    from ..vllm_adapter.bench_serve import POLICIES, TP_POLICIES, run_bench_serve, run_problems
+    from ..vllm_adapter.bench_serve import (POLICIES, REPEAT_KEYS, TP_POLICIES, aggregate_repeats, repeat_schedule,
+                                            run_bench_serve, run_problems)
 
     if args.tp > 1 and args.dp is not None:
         raise SystemExit("semmoe bench-serve: give --dp N (DP + EP) or --tp N (TP + EP), not both")
@@ -197,16 +198,22 @@ def cmd_bench_serve(args) -> int:
     if not policies or unknown:
         raise SystemExit(f"semmoe bench-serve: under {layout} --policy takes policies from {', '.join(known)} "
                          f"(comma-separated), got {args.policy!r}")
-    runs = []
-    # back to back, the same prompts; the policies on a replicating placement once per --redundant value
+    # back to back, the same prompts; the policies on a replicating placement once per --redundant value;
+    # with --repeat, the repetitions interleaved (repeat_schedule), each run on an engine of its own
     replicating = {p for p in policies if POLICY_CLASSES[known[p][0]].supports_redundant}
-    for policy, R in [(p, R) for p in policies for R in (args.redundant if p in replicating else [0])]:
-        runs.append(run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
-                                    dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
-                                    policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
-                                    max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                                    dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
-                                    dtype=args.dtype, redundant=R, enforce_eager=args.enforce_eager))
+    configs = [(p, R) for p in policies for R in (args.redundant if p in replicating else [0])]
+    repeated: dict = {config: [] for config in configs}
+    for order, (k, (policy, R)) in enumerate(repeat_schedule(configs, args.repeat)):
+        run = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
+                              dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
+                              policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
+                              max_tokens=args.max_tokens, profile_trace=args.profile_trace,
+                              dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
+                              dtype=args.dtype, redundant=R, enforce_eager=args.enforce_eager)
+        if args.repeat > 1:
+            run["repetition"], run["order"] = k, order
+        repeated[(policy, R)].append(run)
+    runs = [aggregate_repeats(repeated[config]) for config in configs]
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}, "
@@ -222,15 +229,32 @@ def cmd_bench_serve(args) -> int:
               f"{'-' if r['live_lar'] is None else format(r['live_lar'], '.4f'):>10}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['tpot_s']:>8.3f}{r['throughput_tok_s']:>8.1f}"
               f"  {r['output_digest']}")
-    same = len({r["output_digest"] for r in runs}) == 1
-    if len(runs) > 1:
-        print("outputs identical across policies" if same else "OUTPUTS DIFFER across policies (see the digests)")
+    if args.repeat > 1:
+        print(f"median of {args.repeat} interleaved repetitions; spread [min-max] sd:")
+        print(f"{'policy':<16}" + "".join(f"{key:>34}" for key in REPEAT_KEYS))
+        for r in runs:
+            print(f"{_run_name(r):<16}" + "".join(f"{_spread_cell(r['spread'][key]):>34}" for key in REPEAT_KEYS))
+    digests = {x["output_digest"] for r in runs for x in r.get("repeats", [r])}
+    same = len(digests) == 1
+    if len(runs) > 1 or args.repeat > 1:
+        print("outputs identical across policies" + (" and repetitions" if args.repeat > 1 else "") if same
+              else "OUTPUTS DIFFER across policies" + (" or repetitions" if args.repeat > 1 else "")
+              + " (see the digests)")
     if args.json:
         write_json(args.json, {"runs": {_run_name(r): r for r in runs}, "outputs_identical": same})
     problems = [f"{_run_name(r)}: {p}" for r in runs for p in run_problems(r)]
     for problem in problems:
         print(f"semmoe bench-serve: error: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _spread_cell(spread: dict | None) -> str:
+    """``median [min-max] sd`` of one figure over bench-serve's repetitions (``unmetered``: no bytes)."""
+    if spread is None:
+        return "unmetered"
+    fmt = ".0f" if spread["median"] >= 100 else ".3f"
+    return (f"{spread['median']:{fmt}} [{spread['min']:{fmt}}-{spread['max']:{fmt}}] "
+            f"{spread['sd']:{fmt}}")
 
 
 def _run_name(run: dict) -> str:
@@ -404,6 +428,9 @@ def add_parsers(sub) -> None:
                    help="semmoe: how fast the DP router's per-rank prices follow the work it sends "
                         "(default: the plugin's; `semmoe serve --help` shows it)")
     add_redundant_argument(p, several=True)
+    p.add_argument("--repeat", type=positive_int, default=1,
+                   help="run each policy N times, interleaved (the order rotated per repetition), and report "
+                        "the median and spread of TTFT, TPOT, throughput and MoE bytes (default 1)")
     p.add_argument("--workdir", default=os.path.join("out", "bench_serve"), help="tables, logs and captures go here")
     add_json_argument(p)
     p.set_defaults(func=cmd_bench_serve)

@@ -322,11 +322,60 @@ def run_problems(run: dict) -> list[str]:
     """What makes a bench-serve run fail (empty: it did not): failed requests, failures of the
     plugin's machinery (a capture that stopped, unmetered MoE bytes), the server's exit status."""
     problems = [f"{run['failed']} requests failed"] if run["failed"] else []
-    problems += [f"{f['kind']}" + (f" (rank {f['rank']})" if f["rank"] is not None else "") + f": {f['reason']}"
+    problems += [f"{f['kind']}" + (f" (rank {f['rank']})" if f["rank"] is not None else "")
+                 + (f" (repetition {f['repetition'] + 1})" if "repetition" in f else "") + f": {f['reason']}"
                  for f in run.get("plugin_failures", [])]
     if run.get("server_exit_status"):
         problems.append(f"the server exited with status {run['server_exit_status']}")
     return problems
+
+
+#: the figures ``bench-serve --repeat`` reports the median and spread of
+REPEAT_KEYS = ("ttft_p50_s", "ttft_p99_s", "tpot_s", "throughput_tok_s", "moe_bytes_per_token")
+
+
+def repeat_schedule(names: list, repeat: int) -> list[tuple[int, object]]:
+    """``(repetition, name)`` in the order ``bench-serve --repeat`` runs them: every repetition
+    runs each name once, its order rotated by one place per repetition (two names alternate: A B,
+    B A, A B), so that a drift of a shared machine over time falls on every policy alike."""
+    return [(k, names[(k + i) % len(names)]) for k in range(repeat) for i in range(len(names))]
+
+
+def aggregate_repeats(runs: list[dict]) -> dict:
+    """One policy's repetitions (:func:`run_bench_serve` results, in the order they ran) as one
+    run: the keys of :data:`REPEAT_KEYS` are the medians over the repetitions (``None`` where any
+    repetition's is ``None``: bytes unmetered), ``spread`` holds each one's ``median``, ``min``,
+    ``max`` and ``sd`` (sample standard deviation), ``repeats`` every repetition's full result.
+    ``ok`` and ``failed`` count the requests of all repetitions, ``plugin_failures`` and
+    ``errors`` are those of all (each failure naming its ``repetition``), ``server_exit_status``
+    the first non-zero one, ``compiled`` whether every repetition ran compiled; the other keys
+    (placement, layout, per-rank load, bytes per op, digest) are the first repetition's. One
+    repetition is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    spread: dict = {}
+    for key in REPEAT_KEYS:
+        values = [run[key] for run in runs]
+        if any(value is None for value in values):
+            out[key] = spread[key] = None
+            continue
+        values = np.asarray(values, float)
+        out[key] = float(np.median(values))
+        spread[key] = {"median": out[key], "min": float(values.min()), "max": float(values.max()),
+                       "sd": float(values.std(ddof=1))}
+    out["ok"] = sum(run["ok"] for run in runs)
+    out["failed"] = sum(run["failed"] for run in runs)
+    out["plugin_failures"] = [{**failure, "repetition": k} for k, run in enumerate(runs)
+                              for failure in run["plugin_failures"]]
+    out["errors"] = sorted({e for run in runs for e in run["errors"]})[:5]
+    out["server_exit_status"] = next((run["server_exit_status"] for run in runs if run["server_exit_status"]),
+                                     runs[0]["server_exit_status"])
+    out["compiled"] = all(run["compiled"] for run in runs)
+    out["repeat"] = len(runs)
+    out["spread"] = spread
+    out["repeats"] = runs
+    return out
 
 
 def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
