@@ -80,21 +80,28 @@ def dp4_r1(dev_trace_path):
     return run_bench_ep(dev_trace_path, 4, "dp", ["vanilla", "semmoe"], layers=3, redundant=1, **SMALL)
 
 
-def _expected_rows(plan, method):
-    """Rows each rank must dispatch to each other rank, counted token by token (no NumPy tricks),
-    from the placement's copies and the serving rule restated by hand."""
+def _expected_step_rows(plan, method):
+    """``[S, L, E, E]`` rows each rank must dispatch to each other rank in each step, counted
+    token by token (no NumPy tricks), from the placement's copies and the serving rule restated
+    by hand."""
     rows_idx, offsets = plan.step_rows[method]
     dev = plan.step_device[method]
     serving = serving_by_hand(plan.placements[method].expert_device, plan.placements[method].holds(),
                               plan.experts[rows_idx], dev)
     L, E = plan.num_layers, plan.ranks
-    rows = np.zeros((L, E, E), np.int64)
-    for p in range(len(rows_idx)):
-        for layer in range(L):
-            home = int(dev[p, layer])
-            for dst in {int(r) for r in serving[p, layer]} - {home}:
-                rows[layer, home, dst] += 1
+    rows = np.zeros((len(offsets) - 1, L, E, E), np.int64)
+    for s in range(len(offsets) - 1):
+        for p in range(offsets[s], offsets[s + 1]):
+            for layer in range(L):
+                home = int(dev[p, layer])
+                for dst in {int(r) for r in serving[p, layer]} - {home}:
+                    rows[s, layer, home, dst] += 1
     return rows
+
+
+def _expected_rows(plan, method):
+    """``[L, E, E]``: :func:`_expected_step_rows` over all steps."""
+    return _expected_step_rows(plan, method).sum(axis=0)
 
 
 def _local_by_hand(plan, method):
@@ -138,6 +145,10 @@ def test_measured_bytes_equal_the_routing(run, mode, ranks, methods, kwargs, req
         row = result["methods"][name]
         assert np.array_equal(np.array(row["dispatch_matrix"]), rows.sum(axis=0) * result["hidden"] * ELEM), name
         assert row["remote_pairs"] == rows.sum()
+        received = _expected_step_rows(plan, name).sum(axis=2) * result["hidden"] * ELEM  # [S, L, dst]
+        assert row["step_match"], name
+        assert row["straggler_recv_bytes"] == pytest.approx(received.max(axis=2).mean()), name
+        assert row["straggler_recv_ratio"] == pytest.approx(received.max(axis=2).sum() / received.mean(axis=2).sum())
         assert row["bytes_per_layer"] == list(2 * rows.sum(axis=(1, 2)) * result["hidden"] * ELEM)
         counts = analytic_counts(plan, name)
         assert row["lar"] == pytest.approx(counts["local"] / counts["activations"])

@@ -38,10 +38,19 @@ def aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
         row_bytes = cfg["hidden"] * _ELEMENT_SIZE[cfg["dtype"]]
         matches = bool(np.array_equal(disp_sent, analytic["rows"] * row_bytes)
                        and local == analytic["local"] and acts == analytic["activations"])
+        # per step and rank: what each rank received, against the routing's count for that step
+        recv_steps = stack("disp_recv_steps").sum(axis=3).transpose(1, 2, 0)  # [S, L, rank]
+        S = analytic["step_rows"].shape[0]
+        want_steps = analytic["step_rows"].sum(axis=2) * row_bytes  # [S, L, dst]
+        step_matches = bool(np.array_equal(recv_steps[:S], want_steps) and not recv_steps[S:].any())
+        straggler = recv_steps[:S].max(axis=2)  # the step's most-receiving rank, [S, L]
+        mean_recv = recv_steps[:S].mean(axis=2)
         if not conserved:
             problems.append(f"{m}: bytes sent and received differ")
         if not matches:
             problems.append(f"{m}: measured bytes differ from the routing's analytic count")
+        if not step_matches:
+            problems.append(f"{m}: bytes a rank received in some step differ from the routing's count for it")
         if not check <= CHECK_TOL:
             problems.append(f"{m}: combined output differs from the reference (rel err {check:.3g})")
         layer_wall = np.nanmax(times[..., 3], axis=0)  # slowest rank, [S, L]
@@ -71,8 +80,11 @@ def aggregate(plan: BenchPlan, cfg: dict, per_rank: list) -> dict:
             "combine_matrix": comb_sent.sum(axis=0).tolist(),
             "dispatch_recv_matrix": disp_recv.sum(axis=0).tolist(),
             "combine_recv_matrix": comb_recv.sum(axis=0).tolist(),
+            "straggler_recv_bytes": float(straggler.mean()),  # per step and layer, the most-receiving rank's
+            "straggler_recv_ratio": float(straggler.sum() / max(mean_recv.sum(), 1e-12)),  # over the ranks' mean
             "conservation_ok": conserved,
             "analytic_match": matches,
+            "step_match": step_matches,
             "check_max_rel_err": check,
             "solve_s": round(plan.solve_s[m], 3),
             "redundant": plan.placements[m].redundant,
@@ -98,7 +110,7 @@ def format_bench_ep(result: dict) -> str:
             + (" spread over the stream" if result.get("sample") == "spread" else ""))
     cols = [("method", "<12"), ("experts/rank", ">13"), ("dispatch_MB", ">12"), ("combine_MB", ">11"), ("total_MB", ">10"),
             ("KB/token", ">9"), ("bytes_x", ">8"), ("remote_pairs", ">13"), ("lar", ">7"),
-            ("act_x", ">7"), ("layer_ms", ">9"), ("time_x", ">7"), ("disp/exp/comb ms", ">19")]
+            ("act_x", ">7"), ("strag_x", ">8"), ("layer_ms", ">9"), ("time_x", ">7"), ("disp/exp/comb ms", ">19")]
     lines = [head, "".join(f"{name:{fmt}}" for name, fmt in cols)]
 
     def ratio(v):
@@ -110,13 +122,15 @@ def format_bench_ep(result: dict) -> str:
         cells = [m, slots, f"{row['dispatch_bytes'] / 1e6:.1f}", f"{row['combine_bytes'] / 1e6:.1f}",
                  f"{row['total_bytes'] / 1e6:.1f}", f"{row['bytes_per_token'] / 1e3:.1f}",
                  ratio(row["bytes_ratio_vs_vanilla"]), f"{row['remote_pairs']}", f"{row['lar']:.4f}",
-                 ratio(row["activation_ratio_vs_vanilla"]), f"{row['layer_ms']:.2f}",
+                 ratio(row["activation_ratio_vs_vanilla"]), f"{row['straggler_recv_ratio']:.3f}", f"{row['layer_ms']:.2f}",
                  ratio(row["time_ratio_vs_vanilla"]), phases]
         lines.append("".join(f"{c:{fmt}}" for c, (_, fmt) in zip(cells, cols)))
     lines.append("experts/rank: expert slots each rank holds per layer (N/E + R replica slots; expert memory).")
     lines.append("bytes_x: all-to-all bytes (dispatch+combine, deduplicated per destination rank) vs vanilla; "
                  "act_x: remote (token, expert) activations vs vanilla; time_x: layer_ms vs vanilla.")
-    lines.append("checks: bytes sent == received, == analytic count from the routing; output == reference "
+    lines.append("strag_x: per step and layer, the most-receiving rank's dispatch bytes over the ranks' mean.")
+    lines.append("checks: bytes sent == received, == analytic count from the routing, per step and rank too; "
+                 "output == reference "
                  f"(max rel err {max(r['check_max_rel_err'] for r in result['methods'].values()):.2e}).")
     if "run_s" in result:
         lines.append(f"run {result['run_s']:.1f} s (ranks), {result['wall_s']:.1f} s with solving")

@@ -221,6 +221,7 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
         res[f"disp_recv_{i}"] = np.zeros((L, E), np.int64)
         res[f"comb_sent_{i}"] = np.zeros((L, E), np.int64)
         res[f"comb_recv_{i}"] = np.zeros((L, E), np.int64)
+        res[f"disp_recv_steps_{i}"] = np.zeros((total_steps, L, E), np.int64)  # per step, from each source
         res[f"times_{i}"] = np.full((total_steps, L, 4), np.nan)
         res[f"stats_{i}"] = np.zeros(5, np.int64)  # local, activations, remote_pairs, tokens, meta_bytes
         res[f"check_{i}"] = np.zeros(1)
@@ -256,6 +257,7 @@ def _run_rank(rank, world, workdir, cfg, queue, device):
                 _, c, t = me.layer(gid, ex, ed, holds[i][layer], layer)
                 for key in ("disp_sent", "disp_recv", "comb_sent", "comb_recv"):
                     res[f"{key}_{i}"][layer] += c[key]
+                res[f"disp_recv_steps_{i}"][s, layer] = c["disp_recv"]
                 res[f"stats_{i}"] += (c["local"], c["activations"], c["remote_pairs"], 0, c["meta_bytes"])
                 if layer == 0:
                     res[f"stats_{i}"][3] += len(gid)
