@@ -38,7 +38,8 @@ from vllm_semmoe.vllm_adapter.bench_serve import _summarise, parse_metrics, run_
 from vllm_semmoe.vllm_adapter.capture import LiveCounters, RoutingRecorder
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig
 from vllm_semmoe.vllm_adapter.recording import flush_state, report_engine_failure
-from vllm_semmoe.vllm_adapter.state import SemMoEState, new_moe_counters, register_state
+from vllm_semmoe.modes import Layout
+from vllm_semmoe.vllm_adapter.state import EngineState, new_moe_counters
 from vllm_semmoe.cli.serving import serve_exit_status
 
 L, N, K, V = 3, 16, 2, 64
@@ -220,7 +221,7 @@ def _bench_summary(capture):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fail writes as a full disk does")
 def test_a_capture_that_stops_on_a_write_error_is_visible_everywhere(tmp_path, status_dir, caplog):
     capture = tmp_path / "served.npz"
-    state = SemMoEState(config=SemMoEConfig(capture=str(capture)), parallel=(1, 2, 1, 2))
+    state = EngineState(config=SemMoEConfig(capture=str(capture)), layout=Layout(dp=2, ep=True), dp_rank=1, ep_size=2)
     recorder = state.recorder = _recorder(capture, dp_rank=1, dp_size=2)
     recorder.on_failure = functools.partial(report_engine_failure, state, 1)
     recorder.live_counters = LiveCounters(str(capture).replace(".npz", ".dp1.npz.live.json"), 1, 2, N, 2,
@@ -286,15 +287,15 @@ def test_a_dispatch_stage_the_meter_cannot_replace_is_reported_unmetered(tmp_pat
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
 
     def decide(experts, naive=False, monolithic=False):
-        state = SemMoEState(config=SemMoEConfig(capture=str(tmp_path / "x.npz")), parallel=(1, 2, 0, 2))
+        failures = {}
         runner = _Runner(experts, naive)
-        register_state(runner, state)
         replaced = []
-        ep_dispatch._on_first_forward(runner, lambda stage: replaced.append(stage) or stage)
+        ep_dispatch._on_first_forward(runner, lambda stage: replaced.append(stage) or stage,
+                                      functools.partial(ep_dispatch.report_unmetered, dp_rank=0, failures=failures))
         (experts.forward_monolithic if monolithic else experts.forward_modular)()
         assert "forward_modular" not in vars(experts) and "forward_monolithic" not in vars(experts)  # decided once
         assert experts.calls == ["monolithic" if monolithic else "modular"]  # vLLM's forward still runs
-        return state.failures.get("unmetered"), replaced
+        return failures.get("unmetered"), replaced
 
     allgather = MoEPrepareAndFinalizeNaiveDPEPModular(num_dispatchers=2)
     assert decide(_Experts(allgather)) == (None, [allgather])  # vLLM's all-gather stage: metered

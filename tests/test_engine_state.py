@@ -116,3 +116,74 @@ def test_full_cuda_graphs_are_refused_and_piecewise_graphs_split_at_the_ops(conf
     # placement only runs nothing per step: any graph mode serves it; eager needs nothing
     check_compilation(configs.placement, _vllm_config(graphs="FULL_AND_PIECEWISE"))
     check_compilation(configs.capture, _vllm_config(graphs="FULL", eager=True))
+
+
+def test_engine_and_api_server_states_have_real_types() -> None:
+    """Every field of the two states names a real type (no ``Any``, no tuple read by position)."""
+    import dataclasses
+    import typing
+    import weakref
+
+    import numpy as np
+    import torch
+
+    from vllm_semmoe.modes import Layout
+    from vllm_semmoe.tables import SemMoETables
+    from vllm_semmoe.vllm_adapter import state
+    from vllm_semmoe.vllm_adapter.capture import RoutingRecorder
+    from vllm_semmoe.vllm_adapter.dp_routing import DpRouter
+    from vllm_semmoe.vllm_adapter.ep_dispatch import CollectiveMeter
+    from vllm_semmoe.vllm_adapter.metrics import EngineMetrics
+    from vllm_semmoe.vllm_adapter.tp_shuffle import StepContext, TpShuffleLayer
+
+    names = dict(vars(state), torch=torch, weakref=weakref, np=np, Layout=Layout, SemMoETables=SemMoETables,
+                 SemMoEConfig=SemMoEConfig, RoutingRecorder=RoutingRecorder, DpRouter=DpRouter,
+                 CollectiveMeter=CollectiveMeter, EngineMetrics=EngineMetrics, StepContext=StepContext,
+                 TpShuffleLayer=TpShuffleLayer)
+    for cls in (state.EngineState, state.ApiServerState):
+        hints = typing.get_type_hints(cls, globalns=names)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            assert hint is not typing.Any and typing.get_origin(hint) is not tuple, (cls.__name__, f.name, hint)
+    assert typing.get_type_hints(state.EngineState, globalns=names)["layout"] is Layout
+    assert {f.name for f in dataclasses.fields(state.ApiServerState)} == {"config", "tables", "dp_router"}
+
+
+def _dp_tables(directory: Path) -> None:
+    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.tables import build_tables
+
+    trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=256, num_requests=12)
+    build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="dp"), mode="dp").save(directory)
+
+
+class _Client:
+    """Stands for vLLM's DP client, which the state registry keys weakly."""
+
+
+def test_api_server_state_reads_tables_through_the_config(tmp_path: Path) -> None:
+    """The API server's state holds the config, the tables and the DP router; its tables are read
+    by :meth:`SemMoEConfig.read_tables`, so a damaged directory is refused as the engine refuses it."""
+    from vllm_semmoe.vllm_adapter.plugin import make_api_server_state
+    from vllm_semmoe.vllm_adapter.state import api_server_state
+
+    def vllm_config(semmoe):
+        return SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {})
+
+    assert make_api_server_state(vllm_config(None), 2) is None  # not configured
+    (tmp_path / "t").mkdir()
+    assert make_api_server_state(vllm_config({"tables": str(tmp_path / "t")}), 2) is None  # not dp mode
+    with pytest.raises(SemMoEConfigError, match=r"^semmoe: .*no manifest\.json"):
+        make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), 2)
+    _dp_tables(tmp_path / "t")
+    state = make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), 2)
+    assert state.config.mode == "dp" and state.dp_router.num_ranks == 2
+    assert state.dp_router.tables is state.tables and state.tables.mode == "dp"
+    # made once per DP client, on its first request; a client Sem-MoE does not route keeps None
+    client, plain = _Client(), _Client()
+    made = []
+    assert api_server_state(client) is None
+    assert api_server_state(client, lambda: made.append(1) or state) is state
+    assert api_server_state(client, lambda: made.append(1) or None) is state and made == [1]
+    assert api_server_state(plain, lambda: None) is None and api_server_state(plain, lambda: state) is None

@@ -105,8 +105,8 @@ def test_tp_shuffle_layer_schedules_the_same_on_device():
     from vllm_semmoe.policy import get_policy
     from vllm_semmoe.synthetic import synthetic_trace
     from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.vllm_adapter.state import StepContext, new_moe_counters
-    from vllm_semmoe.vllm_adapter.tp_shuffle import TpShuffleLayer
+    from vllm_semmoe.vllm_adapter.state import new_moe_counters
+    from vllm_semmoe.vllm_adapter.tp_shuffle import StepContext, TpShuffleLayer
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=512, num_requests=30)
     tables = build_tables(trace, get_policy("semmoe").solve(trace, 4, mode="tp"), mode="tp")

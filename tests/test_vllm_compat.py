@@ -236,7 +236,7 @@ def main():
     assert vllm.__version__ == "0.33.0", vllm.__version__
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
     from vllm_semmoe.vllm_adapter import compat, plugin
-    from vllm_semmoe.vllm_adapter.state import state_of
+    from vllm_semmoe.vllm_adapter.state import api_server_state
     assert compat.dp_client_class() is DPLBAsyncMPClient
     original = DPLBAsyncMPClient.get_core_engine_for_request
     plugin._patch_dp_router()
@@ -266,14 +266,14 @@ def main():
     out["picks"] = [c.core_engines.index(e) for e in picks]
     out["inflight"] = [c.engine_inflight[e] for e in c.core_engines]
     out["reqs_in_flight"] = sorted(c.reqs_in_flight)
-    out["router_requests"] = state_of(c).dp_router.requests.tolist()
+    out["router_requests"] = api_server_state(c).dp_router.requests.tolist()
     # an explicit rank wins, and a placed request keeps its engine (0.33's session affinity)
     out["explicit"] = c.core_engines.index(c.get_core_engine_for_request(request("x", [cfg["tokens"][0]] * 20, rank=1)))
     out["again"] = c.core_engines.index(c.get_core_engine_for_request(request("r1", [cfg["tokens"][0]] * 20)))
-    out["router_requests_after"] = state_of(c).dp_router.requests.tolist()
+    out["router_requests_after"] = api_server_state(c).dp_router.requests.tolist()
     # 0.33's output handler, hooked: r0 generated 2 tokens and finished, r1 generated 1
     import asyncio
-    router = state_of(c).dp_router
+    router = api_server_state(c).dp_router
     before = router.in_flight_tokens.tolist()
     asyncio.run(DPLBAsyncMPClient.process_engine_outputs(c, SimpleNamespace(
         outputs=[SimpleNamespace(request_id="r0", new_token_ids=[5, 6]), SimpleNamespace(request_id="r1", new_token_ids=[7])],

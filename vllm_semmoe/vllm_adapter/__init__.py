@@ -4,7 +4,8 @@
   the start-up check, and the accessors (per-version differences live there only);
 - :mod:`.doctor`: ``semmoe doctor``, the same check on a vLLM source tree or wheel (``ast``);
 - :mod:`.plugin`: the ``vllm.general_plugins`` entry point and its hooks;
-- :mod:`.state`: one :class:`~.state.SemMoEState` per engine, reached from the hooks;
+- :mod:`.state`: one :class:`~.state.EngineState` per engine, one :class:`~.state.ApiServerState` per
+  routing API server, reached from the hooks;
 - :mod:`.ops`: the custom ops that run the per-step work inside compiled models;
 - :mod:`.config`: the ``additional_config["semmoe"]`` settings;
 - :mod:`.replacement`: applying a placement at weight-load time;

@@ -307,7 +307,7 @@ class LiveCounters:
     found local / remote), and under data parallelism the local and remote activations of this
     DP rank (an activation is local when its physical expert slot is on one of this rank's EP
     devices). One file per DP rank, and per TP rank when TP > 1 (each TP rank sends its own
-    bytes). ``failures`` (the engine's :attr:`~.state.SemMoEState.failures`: a capture that
+    bytes). ``failures`` (the engine's :attr:`~.state.EngineState.failures`: a capture that
     stopped, MoE layers whose exchange is not metered) is written with them when not empty.
 
     Args:

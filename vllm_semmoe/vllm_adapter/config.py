@@ -130,7 +130,8 @@ class SemMoEConfig:
 
     def read_tables(self) -> SemMoETables | None:
         """The tables ``self.tables`` names, read from disk (``None``: no tables configured); a
-        damaged directory raises :class:`SemMoEConfigError`."""
+        damaged directory raises :class:`SemMoEConfigError`. The one place the plugin reads
+        tables: the engine-start check, the engine's model build and the API server's DP router."""
         if self.tables is None:
             return None
         try:

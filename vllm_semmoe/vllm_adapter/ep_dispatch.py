@@ -24,7 +24,7 @@ for a kernel without a prepare/finalize stage, a monolithic kernel) is left as i
 ``semmoe serve``'s exit status; :func:`unmetered_reason`), so that no figure reads as 0 bytes.
 
 Counted per rank, from the tensors handed to the collectives ("bytes this rank sends to
-other ranks"), in the engine's :class:`~.state.SemMoEState` counters:
+other ranks"), in the engine's :class:`~.state.EngineState` counters:
 
 - ``dispatch_bytes``: hidden-state rows (all-gather: this rank's rows once per other rank;
   sparse: each row once per other rank holding one of its experts);
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -110,29 +111,33 @@ def comm_for(group, device: torch.device):
     return group.cpu_group if device.type == "cpu" else group.device_group
 
 
-def install_sparse_dispatch(runner, counters_of) -> None:
+def install_sparse_dispatch(runner, counters_of: Callable[[], dict[str, float]],
+                            on_unmetered: Callable[[str], None]) -> None:
     """Give the MoE layer ``runner`` the sparse EP dispatch (see the module docstring).
 
     vLLM builds the layer's modular kernel after the weights load, so the prepare/finalize
     stage is replaced at the layer's first forward. ``counters_of()`` returns the dict the
     exchange adds its counts to (the engine's counters while it serves, a scratch dict during
-    warm-up).
+    warm-up); ``on_unmetered(reason)`` reports a layer whose exchange cannot be replaced
+    (:func:`report_unmetered`).
     """
-    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of), sparse=True)
+    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of), on_unmetered, sparse=True)
     compat.use_opaque_moe_op(runner)  # the exchange's sizes vary per step: keep it out of compiled graphs
 
 
-def install_dispatch_meter(runner, counters_of) -> None:
+def install_dispatch_meter(runner, counters_of: Callable[[], dict[str, float]],
+                           on_unmetered: Callable[[str], None]) -> None:
     """Count the bytes of vLLM's own all-gather / reduce-scatter stage of the MoE layer
-    ``runner``, changing nothing it computes."""
-    _on_first_forward(runner, lambda stage: _metered(stage, counters_of))
+    ``runner``, changing nothing it computes (``on_unmetered``: as for :func:`install_sparse_dispatch`)."""
+    _on_first_forward(runner, lambda stage: _metered(stage, counters_of), on_unmetered)
     compat.use_opaque_moe_op(runner)
 
 
-def _on_first_forward(runner, replace, sparse: bool = False) -> None:
+def _on_first_forward(runner, replace, on_unmetered: Callable[[str], None], sparse: bool = False) -> None:
     """At the first forward of ``runner``'s routed experts, swap its kernel's prepare/finalize
     stage for ``replace(stage)`` when vLLM uses the all-gather stage; otherwise keep vLLM's way
-    and report the layer unmetered (``sparse``: the sparse dispatch was asked for)."""
+    and report the layer unmetered to ``on_unmetered(reason)`` (``sparse``: the sparse dispatch
+    was asked for)."""
     experts = runner.routed_experts
     original_modular, original_monolithic = experts.forward_modular, experts.forward_monolithic
 
@@ -146,15 +151,14 @@ def _on_first_forward(runner, replace, sparse: bool = False) -> None:
         if compat.is_allgather_stage(stage):
             compat.set_prepare_finalize(experts, replace(stage))
         else:
-            report_unmetered(runner, unmetered_reason(
+            on_unmetered(unmetered_reason(
                 getattr(runner, "layer_name", "?"), None if stage is None else type(stage).__name__,
                 runner_all_gathers=compat.runner_dispatches_itself(runner), sparse=sparse))
         return original_modular(*args, **kwargs)
 
     def forward_monolithic(*args, **kwargs):
         decided()
-        report_unmetered(runner, unmetered_reason(getattr(runner, "layer_name", "?"), None, monolithic=True,
-                                                  sparse=sparse))
+        on_unmetered(unmetered_reason(getattr(runner, "layer_name", "?"), None, monolithic=True, sparse=sparse))
         return original_monolithic(*args, **kwargs)
 
     experts.forward_modular, experts.forward_monolithic = forward_modular, forward_monolithic
@@ -176,17 +180,15 @@ def unmetered_reason(layer: str, stage: str | None, *, runner_all_gathers: bool 
             f"(reported as unmetered){'; the sparse dispatch is not installed there either' if sparse else ''}")
 
 
-def report_unmetered(runner, reason: str) -> None:
-    """Report ``runner``'s MoE layer unmetered: a warning (once per engine), the engine state's
-    failures, ``/metrics``, ``semmoe serve``'s exit status (:func:`.metrics.report_failure`)."""
+def report_unmetered(reason: str, *, dp_rank: int, failures: dict[str, str]) -> None:
+    """Report a MoE layer of the engine of DP rank ``dp_rank`` unmetered: a warning (once per
+    engine), the engine's ``failures``, ``/metrics``, ``semmoe serve``'s exit status
+    (:func:`.metrics.report_failure`)."""
     from .metrics import report_failure
-    from .state import state_of
 
-    state = state_of(runner)
-    if state is None or "unmetered" not in state.failures:
+    if "unmetered" not in failures:
         logger.warning("semmoe: %s", reason)
-    report_failure("unmetered", state.parallel[2] if state is not None else 0, reason,
-                   state.failures if state is not None else None)
+    report_failure("unmetered", dp_rank, reason, failures)
 
 
 class SparsePrepareAndFinalize:

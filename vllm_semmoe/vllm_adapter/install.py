@@ -1,5 +1,5 @@
 """Sem-MoE installed into a freshly built model (weights not loaded yet): the engine's
-:class:`~.state.SemMoEState`, the placement, the routing recorder, the TP shuffle (fused into the
+:class:`~.state.EngineState`, the placement, the routing recorder, the TP shuffle (fused into the
 decoder layers where recognised) and the DP + EP dispatch.
 
 Called once per engine by the ``BaseModelLoader.create_model`` hook (:mod:`.plugin`).
@@ -7,18 +7,26 @@ Called once per engine by the ``BaseModelLoader.create_model`` hook (:mod:`.plug
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
+from typing import TYPE_CHECKING
 
 from ..modes import TP_SHUFFLE
 from . import compat
 from .recording import flush_at_exit, make_recorder
-from .state import SemMoEState, register_state
+from .state import EngineState, register_state
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from ..tables import SemMoETables
+    from .config import SemMoEConfig
 
 logger = logging.getLogger("vllm.semmoe")
 
 
-def replica_slots(tables) -> int:
+def replica_slots(tables: SemMoETables | None) -> int:
     """Redundant physical expert slots in all (``E * R``) the model's MoE layers must be built
     with for ``tables`` (0: none, or no tables)."""
     if tables is None:
@@ -26,18 +34,21 @@ def replica_slots(tables) -> int:
     return tables.placement.num_physical_experts - tables.placement.num_experts
 
 
-def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
+def build_state(model, config: SemMoEConfig, vllm_config: VllmConfig,
+                tables: SemMoETables | None = None) -> EngineState:
     """Create the engine's state for a freshly built ``model`` (weights not loaded yet): install
     the placement, the routing recorder and the TP shuffle, and register the state under the
     model and its MoE layers. ``tables``: ``config``'s tables when already read (the hook reads
     them before the model is built, for its replica slots)."""
-    from .config import expert_parallel_size, replica_token_device
+    from .config import expert_parallel_size, layout_of, replica_token_device
     from .replacement import install_placement, install_self_check, moe_runners
 
     runners = moe_runners(model)
-    layout = compat.parallel_layout(vllm_config)
-    ep_size = expert_parallel_size(vllm_config.parallel_config)
-    state = SemMoEState(config=config, parallel=(layout["tp"], layout["dp"], layout["dp_rank"], ep_size))
+    parallel = vllm_config.parallel_config
+    layout = layout_of(parallel)
+    ep_size = expert_parallel_size(parallel)
+    state = EngineState(config=config, layout=layout, dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+                        ep_size=ep_size)
     register_state(model, state)
     for runner in runners:
         register_state(runner, state)
@@ -55,8 +66,8 @@ def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
                     f", {state.tables.placement.redundant} replica slot(s) per rank, this rank's copies preferred"
                     if state.token_device is not None else "", len(runners))
     if config.records:
-        state.recorder = make_recorder(runners, vllm_config, config, state)
-    if TP_SHUFFLE in config.mode.installs and layout["tp"] > 1 and layout["ep"]:
+        state.recorder = make_recorder(runners, vllm_config, state)
+    if TP_SHUFFLE in config.mode.installs and layout.tp > 1 and layout.ep:
         from . import ops
         from .tp_shuffle import TpShuffleLayer
 
@@ -68,7 +79,7 @@ def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
                 ops.install_moe_op(runner, runner.layer_name)
         warm_up_scheduler(state.tables, ep_size)
     install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
-    if layout["tp"] > 1 and state.recorder is not None:  # count the TP group's collectives too
+    if layout.tp > 1 and state.recorder is not None:  # count the TP group's collectives too
         from .ep_dispatch import CollectiveMeter
 
         tp = compat.tp_group()
@@ -79,25 +90,26 @@ def build_state(model, config, vllm_config, tables=None) -> SemMoEState:
     return state
 
 
-def install_dispatch(runners: list, state: SemMoEState, dispatch: str | None) -> None:
+def install_dispatch(runners: list, state: EngineState, dispatch: str | None) -> None:
     """DP + EP: give the MoE layers the sparse dispatch, or meter vLLM's own (when recording)."""
-    from .ep_dispatch import install_dispatch_meter, install_sparse_dispatch
+    from .ep_dispatch import install_dispatch_meter, install_sparse_dispatch, report_unmetered
 
     if dispatch is None or (dispatch == "vllm" and state.recorder is None):
         return
     install = install_sparse_dispatch if dispatch == "sparse" else install_dispatch_meter
+    on_unmetered = functools.partial(report_unmetered, dp_rank=state.dp_rank, failures=state.failures)
     for runner in runners:
-        install(runner, state.moe_counters)
+        install(runner, state.moe_counters, on_unmetered)
     state.dispatch = dispatch
     from .metrics import EngineMetrics
 
     if EngineMetrics.available():
-        state.metrics = EngineMetrics(state.parallel[2])
+        state.metrics = EngineMetrics(state.dp_rank)
     logger.info("semmoe: %s MoE dispatch on %d MoE layers", "sparse EP" if dispatch == "sparse" else
                 "vLLM's all-gather (metered)", len(runners))
 
 
-def _weak_counters(state: SemMoEState):
+def _weak_counters(state: EngineState):
     """``state.moe_counters`` without keeping ``state`` alive (the communicator outlives engines)."""
     from .state import new_moe_counters
 
@@ -110,13 +122,13 @@ def _weak_counters(state: SemMoEState):
     return counters_of
 
 
-def warm_up_scheduler(tables, ep_size: int) -> None:
+def warm_up_scheduler(tables: SemMoETables, ep_size: int) -> None:
     """Compile the Numba TP scheduler now (types of the real calls), not in the first step."""
     import numpy as np
 
     from .. import scheduling
-    from .state import StepContext, new_moe_counters
-    from .tp_shuffle import TpShuffleLayer
+    from .state import new_moe_counters
+    from .tp_shuffle import StepContext, TpShuffleLayer
 
     layer = TpShuffleLayer(0, tables)
     step = StepContext(np.array([-1, 0], np.int64), tables, None, new_moe_counters())
@@ -128,7 +140,7 @@ def warm_up_scheduler(tables, ep_size: int) -> None:
     scheduling.shuffle_permutation(scheduling.contiguous_slices(2, ep_size), ep_size, 1)
 
 
-def fuse_decoder_layers(model, state: SemMoEState) -> int:
+def fuse_decoder_layers(model, state: EngineState) -> int:
     """Give decoder layers whose structure :func:`.tp_shuffle.fusable_runner` recognises (e.g.
     Qwen3-MoE's) the fused SRS/SAG forward; returns how many. Other MoE layers keep the
     MoE-boundary shuffle, which runs vLLM's whole MoE layer."""

@@ -169,9 +169,7 @@ class EngineMetrics:
         if not metrics:
             return
         moe_bytes, local, remote = metrics
-        from .state import MOE_COUNTER_KEYS
-
-        for key in (k for k in MOE_COUNTER_KEYS if k.endswith("_bytes")):  # ep_dispatch.BYTE_KEYS
+        for key in (k for k in counters if k.endswith("_bytes")):  # ep_dispatch.BYTE_KEYS
             self._add(moe_bytes.labels(dp_rank=self.dp_rank, op=key.removesuffix("_bytes")), counters, key)
         self._add(local.labels(dp_rank=self.dp_rank), counters, "local_activations")
         self._add(remote.labels(dp_rank=self.dp_rank), counters, "remote_activations")

@@ -11,7 +11,7 @@ runs inside an operator the compiler treats as a black box, the way vLLM treats 
   shuffle at its boundary (:func:`.tp_shuffle.shuffled_moe_forward`).
 
 ``layer_name`` is the MoE layer's vLLM name; the op finds the layer in vLLM's forward context,
-the engine's :class:`~.state.SemMoEState` from the layer, and the step context in the state.
+the engine's :class:`~.state.EngineState` from the layer, and the step context in the state.
 Outside a real step (warm-up, profiling, dummy batches) or on a padded batch, the op runs
 vLLM's own forward of that layer, eagerly. Piecewise CUDA graphs must leave these ops out
 (:data:`SPLITTING_OPS`); full CUDA graphs cannot run them (refused at engine start).

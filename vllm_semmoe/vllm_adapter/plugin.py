@@ -13,7 +13,7 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
 - ``EngineArgs.create_engine_config``: validate the settings, tables, parallel layout and
   compilation settings at engine start (:mod:`.checks`);
 - ``BaseModelLoader.create_model``: build the MoE layers with the tables' replica slots, install
-  the placement before weights load and create the engine's :class:`~.state.SemMoEState`
+  the placement before weights load and create the engine's :class:`~.state.EngineState`
   (recorder, TP-shuffle layers, dispatch) (:mod:`.install`);
 - ``GPUModelRunner._model_forward`` (model runner v1: vLLM 0.32-0.33; the CPU runner inherits
   it): open the step context of real forward steps (warm-up and profiling runs do not come
@@ -22,7 +22,8 @@ Hooks (all pass through untouched when ``semmoe`` is not configured):
   idle rank runs in lock-step with the serving ones;
 - ``GPUModelRunner.shutdown``: write the capture (:mod:`.recording`);
 - ``DPLBAsyncMPClient.get_core_engine_for_request``: in ``dp`` mode, pick each request's DP
-  rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins);
+  rank by Sem-MoE (an explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins),
+  with the API server's :class:`~.state.ApiServerState` (tables and router) made at the first request;
   ``DPLBAsyncMPClient.process_engine_outputs``: tell the router each request's generated tokens
   and finish (its in-flight work).
 
@@ -42,7 +43,7 @@ from . import compat
 from .checks import check_engine_config
 from .install import build_state, replica_slots
 from .recording import begin_step, flush_capture, flush_state
-from .state import SemMoEState, register_state, runner_state, state_of
+from .state import ApiServerState, EngineState, api_server_state, runner_state
 
 # a child of vLLM's logger, so messages show with vLLM's format and level
 logger = logging.getLogger("vllm.semmoe")
@@ -218,7 +219,7 @@ def _patch_model_runner() -> None:
     GPUModelRunner.shutdown = patched_shutdown
 
 
-def publish_counters(state: SemMoEState, write_live: bool = False) -> None:
+def publish_counters(state: EngineState, write_live: bool = False) -> None:
     """After a step: the MoE counters to ``/metrics``, and (``write_live``: after a dummy batch;
     the recorder writes it after real steps) to the live counters file."""
     if state.metrics is not None:
@@ -235,16 +236,11 @@ def _patch_dp_router() -> None:
 
     @functools.wraps(original)
     def get_core_engine_for_request(self, request):
-        state = state_of(self)
-        if state is None:
-            state = SemMoEState(config=_semmoe_config(self.vllm_config), parallel=(0, 0, 0, 0))
-            state.dp_router = make_dp_router(self.vllm_config, compat.dp_num_ranks(self))
-            register_state(self, state)
-        router = state.dp_router
-        if (router is not None and request.data_parallel_rank is None and request.prompt_token_ids
+        state = api_server_state(self, lambda: make_api_server_state(self.vllm_config, compat.dp_num_ranks(self)))
+        if (state is not None and request.data_parallel_rank is None and request.prompt_token_ids
                 and not compat.dp_request_placed(self, request)):
-            request.data_parallel_rank = router.choose(request.prompt_token_ids, compat.dp_queue_scores(self),
-                                                       request.request_id)
+            request.data_parallel_rank = state.dp_router.choose(request.prompt_token_ids, compat.dp_queue_scores(self),
+                                                                request.request_id)
         return original(self, request)
 
     client_class.get_core_engine_for_request = get_core_engine_for_request
@@ -253,24 +249,25 @@ def _patch_dp_router() -> None:
     @functools.wraps(original_outputs)
     async def process_engine_outputs(self, outputs):
         await original_outputs(self, outputs)
-        state = state_of(self)
-        if state is not None and state.dp_router is not None:
+        state = api_server_state(self)
+        if state is not None:
             state.dp_router.observe(outputs.outputs, outputs.finished_requests)
 
     client_class.process_engine_outputs = staticmethod(process_engine_outputs)
 
 
-def make_dp_router(vllm_config, num_ranks: int):
-    """A :class:`DpRouter` when ``semmoe`` is configured in ``dp`` mode, else ``None``."""
+def make_api_server_state(vllm_config, num_ranks: int) -> ApiServerState | None:
+    """The API server's state (its tables and :class:`~.dp_routing.DpRouter` over ``num_ranks``
+    DP ranks) when ``semmoe`` is configured in ``dp`` mode, else ``None``."""
     config = _semmoe_config(vllm_config)
     if config is None or config.mode != ServingMode.DP:
         return None
-    from ..tables import load_tables
     from .dp_routing import DpRouter
 
-    router = DpRouter(load_tables(config.tables), num_ranks, balance=config.dp_balance, slack=config.dp_slack,
+    tables = config.read_tables()
+    router = DpRouter(tables, num_ranks, balance=config.dp_balance, slack=config.dp_slack,
                       decode_weight=config.dp_decode_weight, price_step=config.dp_price_step)
     logger.info("semmoe: Sem-MoE DP routing over %d ranks (balance %.3g, price step %.3g, decode weight %.0f, "
                 "guard slack %.1f)", num_ranks, config.dp_balance, config.dp_price_step, config.dp_decode_weight,
                 config.dp_slack)
-    return router
+    return ApiServerState(config=config, tables=tables, dp_router=router)

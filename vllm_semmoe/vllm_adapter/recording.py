@@ -13,17 +13,24 @@ import json
 import logging
 import os
 import weakref
+from typing import TYPE_CHECKING
 
 from . import compat
-from .state import SemMoEState, runner_state
+from .state import EngineState, runner_state
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .capture import RoutingRecorder
 
 logger = logging.getLogger("vllm.semmoe")
 
 
-def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
+def make_recorder(runners: list, vllm_config: VllmConfig, state: EngineState) -> RoutingRecorder:
     """A :class:`RoutingRecorder` fed by every MoE layer's capture hook."""
     from .capture import RoutingRecorder
 
+    config = state.config
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     tables = state.tables
@@ -36,7 +43,7 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
         vocab=_vocab(model_config),
         vocab_size=int(model_config.get_vocab_size()),
     )
-    dp_rank = state.parallel[2]
+    dp_rank = state.dp_rank
     recorder.on_failure = functools.partial(report_engine_failure, state, dp_rank)
     for index, runner in enumerate(runners):
         runner.router.set_capture_fn(functools.partial(_capture_hook, recorder, dp_rank, index))
@@ -62,7 +69,7 @@ def make_recorder(runners: list, vllm_config, config, state: SemMoEState):
     return recorder
 
 
-def report_engine_failure(state: SemMoEState, dp_rank: int, kind: str, reason: str) -> None:
+def report_engine_failure(state: EngineState, dp_rank: int, kind: str, reason: str) -> None:
     """Report a failure of the engine's capture machinery (:func:`.metrics.report_failure`), kept in
     ``state.failures``."""
     from .metrics import report_failure
@@ -89,7 +96,7 @@ def _vocab(model_config) -> list[str]:
         return []
 
 
-def begin_step(runner, state: SemMoEState, input_ids, positions) -> None:
+def begin_step(runner, state: EngineState, input_ids, positions) -> None:
     """Open the step: the recorder's rows (requests, tokens, positions, and the positions the step
     skips, for the capture's coverage) and the TP-shuffle step context."""
     import torch
@@ -137,7 +144,7 @@ def flush_capture(runner_or_worker) -> dict:
     return flush_state(state) if state is not None else {}
 
 
-def flush_state(state: SemMoEState) -> dict:
+def flush_state(state: EngineState) -> dict:
     """Write ``state``'s capture summary and return it: steps, coverage (tokens of the engine's
     requests with and without routing), live LAR, TP-shuffle and MoE exchange counters, and the
     plugin's failures in this engine (``failures``, when any)."""
@@ -145,7 +152,7 @@ def flush_state(state: SemMoEState) -> dict:
     if recorder is None or recorder.num_steps == 0:
         return {}
     recorder.drain()
-    tp_size, dp_size, dp_rank, _ = state.parallel
+    dp_size, dp_rank = state.layout.dp, state.dp_rank
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank, "coverage": recorder.coverage()}
     if state.failures:
         summary["failures"] = dict(state.failures)
@@ -171,7 +178,7 @@ def flush_state(state: SemMoEState) -> dict:
     return summary
 
 
-def flush_at_exit(state: SemMoEState) -> None:
+def flush_at_exit(state: EngineState) -> None:
     """Write ``state``'s capture at interpreter exit too (the state is held weakly)."""
     atexit.register(_flush_at_exit, weakref.ref(state))
 

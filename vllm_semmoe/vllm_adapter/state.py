@@ -1,7 +1,8 @@
-"""One :class:`SemMoEState` per engine: everything the plugin keeps between hook calls.
+"""The plugin's state in its two kinds of process: one :class:`EngineState` per engine, one
+:class:`ApiServerState` per DP client of an API server that routes requests the Sem-MoE way.
 
-The plugin creates the state when vLLM builds the model (``create_model`` hook) and registers
-it under that model object; every other hook reaches it from there:
+An engine's state is created when vLLM builds the model (``create_model`` hook) and registered
+under that model object; every other engine hook reaches it from there:
 
 - the model-runner hooks (``_model_forward``, ``shutdown``) through ``runner.get_model()``;
 - the custom ops that run inside the compiled model (:mod:`.ops`) through vLLM's per-step
@@ -10,8 +11,11 @@ it under that model object; every other hook reaches it from there:
   vLLM's own path);
 - ``flush_capture`` (``LLM.collective_rpc``) through the worker's runner.
 
-The registry is a weak map (model, MoE layer -> state): it keeps nothing alive, the state holds no
-reference to the model (modules are reached through weak references), so when vLLM drops an
+An API server's state is created on the first request its DP client places, and registered under
+that client (:func:`api_server_state`).
+
+The registries are weak maps (vLLM object -> state): they keep nothing alive, an engine state holds
+no reference to the model (modules are reached through weak references), so when vLLM drops an
 engine its model, its state, recorder and counters go with it, and the next engine in the
 same process starts from a fresh state.
 """
@@ -19,10 +23,23 @@ same process starts from a fresh state.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # for the annotations: at run time the state needs none of these modules
+    import torch
+
+    from ..modes import Layout
+    from ..tables import SemMoETables
+    from .capture import RoutingRecorder
+    from .config import SemMoEConfig
+    from .dp_routing import DpRouter
+    from .ep_dispatch import CollectiveMeter
+    from .metrics import EngineMetrics
+    from .tp_shuffle import StepContext, TpShuffleLayer
 
 #: counters of the MoE layers' exchange (TP shuffle, sparse or metered DP dispatch), summed over
 #: the MoE layers of one engine; bytes as in :mod:`.ep_dispatch`
@@ -32,37 +49,19 @@ MOE_COUNTER_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "allred
                     "host_sync_s", "moe_layer_s")
 
 
-def new_moe_counters() -> dict:
+def new_moe_counters() -> dict[str, float]:
     return {key: 0 for key in MOE_COUNTER_KEYS}
 
 
-class StepContext:
-    """What the MoE layers of one real forward step share.
-
-    Attributes:
-        rows: ``[B]`` int64 table row of each token of the step (``-1``: unseen token).
-        experts: layer -> ``[B, K]`` logical experts of each token (TP-shuffle history).
-        major: layer -> ``[B]`` EP rank holding most of each token's experts (the history of
-            tables without the X table).
-        recorder: the engine's routing recorder (``None``: not recording).
-        counters: the engine's MoE exchange counters (a dict of :data:`MOE_COUNTER_KEYS`).
-    """
-
-    def __init__(self, tokens: np.ndarray, tables, recorder, counters: dict):
-        self.rows = tables.token_rows(tokens)
-        self.experts: dict[int, Any] = {}
-        self.major: dict[int, Any] = {}
-        self.recorder = recorder
-        self.counters = counters
-
-
 @dataclass
-class SemMoEState:
+class EngineState:
     """The plugin's state for one engine (one model instance in one worker process).
 
     Attributes:
         config: the validated :class:`~.config.SemMoEConfig`.
-        parallel: ``(tp_size, dp_size, dp_rank, ep_size)`` of this engine.
+        layout: the engine's parallel layout (:class:`~vllm_semmoe.modes.Layout`).
+        dp_rank: this engine's data-parallel rank.
+        ep_size: the number of expert-parallel ranks (1: no expert parallelism).
         tables: the loaded Sem-MoE tables (``None``: capture only).
         token_device: the placement device (EP rank) whose copies this engine's routers prefer
             for the tokens they route (:meth:`~vllm_semmoe.placement.Placement.device_map`):
@@ -82,61 +81,98 @@ class SemMoEState:
             group's collectives (``None``: not counted).
         metrics: the :class:`~.metrics.EngineMetrics` exporting ``counters`` on ``/metrics``
             (``None``: no API server can read this process's counters).
-        step: the :class:`StepContext` of the forward step in progress (``None`` between steps).
+        step: the :class:`~.tp_shuffle.StepContext` of the forward step in progress (``None``
+            between steps and in engines that do not shuffle).
         flushed_steps / flushed_summary: what the last :func:`~.recording.flush_capture` wrote.
-        dp_router: in an API-server process, the Sem-MoE DP rank chooser (``dp`` mode).
         failures: failures of the plugin's own machinery in this engine, kind -> reason
             (``capture_error``: the capture stopped; ``unmetered``: MoE layers whose token exchange
             is not counted), reported by :func:`~.metrics.report_failure`.
     """
 
-    config: Any
-    parallel: tuple[int, int, int, int]
-    tables: Any = None
+    config: SemMoEConfig
+    layout: Layout
+    dp_rank: int = 0
+    ep_size: int = 1
+    tables: SemMoETables | None = None
     token_device: int | None = None
-    recorder: Any = None
-    tp_layers: dict = field(default_factory=dict)
-    fused: dict = field(default_factory=dict)
-    counters: dict = field(default_factory=new_moe_counters)
+    recorder: RoutingRecorder | None = None
+    tp_layers: dict[str, TpShuffleLayer] = field(default_factory=dict)
+    fused: dict[str, weakref.ref[torch.nn.Module]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=new_moe_counters)
     dispatch: str | None = None
     in_step: bool = False
-    metrics: Any = None
-    tp_meter: Any = None
+    metrics: EngineMetrics | None = None
+    tp_meter: CollectiveMeter | None = None
     step: StepContext | None = None
     flushed_steps: int = -1
-    flushed_summary: dict = field(default_factory=dict)
-    dp_router: Any = None
-    failures: dict = field(default_factory=dict)
+    flushed_summary: dict[str, Any] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
 
     @property
     def shuffles(self) -> bool:
         """Whether this engine runs the TP token shuffle."""
         return bool(self.tp_layers)
 
-    def moe_counters(self) -> dict:
+    def moe_counters(self) -> dict[str, float]:
         """The dict a MoE layer adds its counts to now: the engine's during a real step."""
         return self.counters if self.in_step else new_moe_counters()
 
     def begin_step(self, tokens: np.ndarray | None) -> None:
-        """Open the step context of a real forward step over ``tokens`` ``[B]``."""
-        self.step = (StepContext(tokens, self.tables, self.recorder, self.counters)
-                     if tokens is not None and self.shuffles else None)
+        """Open the step context of a real forward step over ``tokens`` ``[B]`` (engines that
+        shuffle only: the context is the TP shuffle's)."""
+        if tokens is None or not self.shuffles:
+            self.step = None
+            return
+        from .tp_shuffle import StepContext
+
+        self.step = StepContext(tokens, self.tables, self.recorder, self.counters)
 
     def end_step(self) -> None:
         self.step = None
 
 
-#: vLLM object (an engine's model or one of its MoE layers, an API server's DP client) -> the
-#: state of its engine. Weak keys: an entry ends with the vLLM object it is keyed by.
-_BY_OWNER: "weakref.WeakKeyDictionary[Any, SemMoEState]" = weakref.WeakKeyDictionary()
+@dataclass
+class ApiServerState:
+    """The plugin's state in an API server whose DP client routes requests the Sem-MoE way
+    (``dp`` mode).
+
+    Attributes:
+        config: the validated :class:`~.config.SemMoEConfig`.
+        tables: the Sem-MoE tables the router scores prompts with.
+        dp_router: the :class:`~.dp_routing.DpRouter` choosing each request's DP rank.
+    """
+
+    config: SemMoEConfig
+    tables: SemMoETables
+    dp_router: DpRouter
 
 
-def register_state(owner, state: SemMoEState) -> None:
-    """Make ``state`` reachable from ``owner`` (the engine's model, a MoE layer, a DP client)."""
+#: vLLM object (an engine's model or one of its MoE layers) -> the state of its engine. Weak
+#: keys: an entry ends with the vLLM object it is keyed by.
+_BY_OWNER: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
+
+#: an API server's DP client -> its state (``None``: Sem-MoE does not route its requests)
+_BY_CLIENT: weakref.WeakKeyDictionary[Any, ApiServerState | None] = weakref.WeakKeyDictionary()
+
+
+def register_state(owner, state: EngineState) -> None:
+    """Make ``state`` reachable from ``owner`` (the engine's model or one of its MoE layers)."""
     _BY_OWNER[owner] = state
 
 
-def state_of(owner) -> SemMoEState | None:
+def api_server_state(client, build: Callable[[], ApiServerState | None] | None = None) -> ApiServerState | None:
+    """The state of an API server's DP ``client``, made by ``build`` on its first call (``None``:
+    Sem-MoE does not route the client's requests, or not built yet and no ``build`` given)."""
+    try:
+        return _BY_CLIENT[client]
+    except KeyError:
+        if build is None:
+            return None
+    state = _BY_CLIENT[client] = build()
+    return state
+
+
+def state_of(owner) -> EngineState | None:
     """The state registered for ``owner`` (``None``: the plugin is not configured there)."""
     if owner is None:
         return None
@@ -151,7 +187,7 @@ def live_states() -> int:
     return len({id(s) for s in list(_BY_OWNER.values())})
 
 
-def runner_state(runner) -> SemMoEState | None:
+def runner_state(runner) -> EngineState | None:
     """The state of a model runner's model (``None``: no model yet or any more, or not configured)."""
     try:
         return state_of(runner.get_model())

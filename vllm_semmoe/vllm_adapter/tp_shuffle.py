@@ -31,6 +31,7 @@ Bytes sent in dispatch and combine and local/remote activations are counted per 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,7 +42,30 @@ from .. import scheduling
 from ..tables import SemMoETables
 from . import compat
 from .ep_dispatch import comm_for, routed_exchange
-from .state import StepContext  # noqa: F401  (the step context the hooks pass in)
+
+if TYPE_CHECKING:
+    from .capture import RoutingRecorder
+
+
+class StepContext:
+    """What the shuffled MoE layers of one real forward step share.
+
+    Attributes:
+        rows: ``[B]`` int64 table row of each token of the step (``-1``: unseen token).
+        experts: layer -> ``[B, K]`` logical experts of each token (TP-shuffle history).
+        major: layer -> ``[B]`` EP rank holding most of each token's experts (the history of
+            tables without the X table).
+        recorder: the engine's routing recorder (``None``: not recording).
+        counters: the engine's MoE exchange counters (a dict of :data:`~.state.MOE_COUNTER_KEYS`).
+    """
+
+    def __init__(self, tokens: np.ndarray, tables: SemMoETables, recorder: RoutingRecorder | None,
+                 counters: dict[str, float]):
+        self.rows = tables.token_rows(tokens)
+        self.experts: dict[int, np.ndarray] = {}
+        self.major: dict[int, np.ndarray] = {}
+        self.recorder = recorder
+        self.counters = counters
 
 
 class TpShuffleLayer:
