@@ -266,6 +266,15 @@ def test_refused_server_start_is_one_line(tmp_path, tiny_tables):
     assert len(errors) == 1 and "mode 'dp' routes requests over data-parallel ranks" in errors[0], result.stderr[-3000:]
 
 
+def test_loading_the_plugin_leaves_sys_excepthook_alone():
+    """Only ``semmoe serve`` turns refusals into one line; a program that loads vLLM (and with it
+    the plugin) keeps its own ``sys.excepthook``."""
+    code = ("import sys; hook = sys.excepthook; from vllm_semmoe.vllm_adapter.plugin import register; register(); "
+            "sys.exit(0 if sys.excepthook is hook else 3)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # ---- help --------------------------------------------------------------------------------------
 def _subcommands():
     from vllm_semmoe.cli import build_parser

@@ -331,6 +331,9 @@ def run_vllm_serve(argv: list[str]) -> int:
 
     from ..vllm_adapter.metrics import STATUS_DIR_ENV, export_failures
 
+    from ..vllm_adapter.config import install_one_line_refusals
+
+    install_one_line_refusals()  # this process only: `semmoe serve`'s refusals as one line
     vllm_main = _vllm_console_script()
     status_dir = tempfile.mkdtemp(prefix="semmoe-status-")
     os.environ[STATUS_DIR_ENV] = status_dir

@@ -231,9 +231,10 @@ def expert_parallel_size(parallel_config) -> int:
 
 
 def install_one_line_refusals() -> None:
-    """Make an uncaught :class:`SemMoEConfigError` (a refused start, e.g. of ``vllm serve``) print
-    one line instead of vLLM's call stack; the traceback goes to the debug log. Other exceptions
-    keep the previous hook. Idempotent."""
+    """Make an uncaught :class:`SemMoEConfigError` (a refused start) print one line instead of
+    vLLM's call stack; the traceback goes to the debug log. Other exceptions keep the previous
+    hook. Idempotent. Installed by ``semmoe serve`` in its own process only: the plugin itself
+    leaves a host program's ``sys.excepthook`` alone."""
     previous = sys.excepthook
     if getattr(previous, "_semmoe", False):
         return

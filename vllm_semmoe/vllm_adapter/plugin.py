@@ -64,9 +64,6 @@ def register() -> None:
         return
     compat.check_vllm()
     from . import cpu_fixes, ops
-    from .config import install_one_line_refusals
-
-    install_one_line_refusals()
 
     cpu_fixes.apply_cpu_fixes()
     _fix_triton_rebind_scan()
