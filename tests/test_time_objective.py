@@ -61,7 +61,7 @@ def test_each_target_gets_the_fastest_candidate_cross_validated(profile, choices
 def test_variants_are_what_they_say(profile):
     for variant in VARIANTS:
         placement, tables = solve_variant(variant, profile, 8, "dp", 1, seed=0)
-        assert (tables is not None) == (variant in ("locality", "balanced"))
+        assert (tables is not None) == (variant in ("locality", "balanced", "hot"))
         assert placement.redundant == (0 if variant == "stock" else 1)
         assert served_by_vllm_eplb(placement) == (variant == "eplb")
     with pytest.raises(ValueError, match="unknown variant 'greedy'"):
@@ -85,8 +85,26 @@ def test_solve_objective_time_writes_the_chosen_variant(dev_trace, tmp_path, cap
     variant = line.split(": ")[2].split(" (")[0]
     assert variant in VARIANTS
     manifest = json.loads((tmp_path / "m.json").read_text())
-    method = {"locality": "semmoe", "balanced": "semmoe", "eplb": "eplb", "stock": "vanilla"}[variant]
+    method = {"locality": "semmoe", "balanced": "semmoe", "hot": "semmoe", "eplb": "eplb", "stock": "vanilla"}[variant]
     assert manifest["method"] == method
     assert manifest["redundant"] == (0 if variant == "stock" else 1)
     expected, _ = solve_variant(variant, trace, 8, "tp", 1, seed=0)
     assert np.array_equal(load_tables(tmp_path / "tables").placement.expert_device, expected.expert_device)
+
+
+def test_hot_copies_go_to_the_heaviest_expert_per_copy_where_its_tokens_are():
+    from vllm_semmoe.policy.semmoe import _hot_copies
+
+    home = np.array([0, 0, 1, 1])
+    # expert 0: 90 activations, 60 of them by device 1's units; expert 2: 50, 30 by device 0's
+    use = np.array([[30, 5, 30, 1],
+                    [60, 5, 20, 1]], float)
+    out = _hot_copies(use, home, 1)
+    # expert 0 (90 per copy) is copied first, onto device 1 (its only device without a copy);
+    # then expert 2 (50) onto device 0, the one free slot left
+    assert out.tolist() == [[2], [0]]
+    # with two slots each: after 0 -> 1 and 2 -> 0, expert 0 has 45 per copy, 2 has 25: the next
+    # heaviest expert with a free device is 3? no: 1 (10) and 3 (2) are lighter than 2's 25, but
+    # 2 is already on both devices; so 1 -> device 1 (free, not home there), then 3 -> device 0
+    out2 = _hot_copies(use, home, 2)
+    assert sorted(out2[0].tolist()) == [2, 3] and sorted(out2[1].tolist()) == [0, 1]

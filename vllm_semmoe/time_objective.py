@@ -9,6 +9,8 @@ balanced placement is faster. The candidates (:data:`VARIANTS`):
 - ``locality``: Sem-MoE's co-clustering and its data scheduler (θ = the solve's default);
 - ``balanced``: the same with a higher expert-load price (:data:`BALANCED_LOAD_PRICE`): fewer
   local activations, a lighter straggler;
+- ``hot`` (``R > 0``): the ``locality`` placement with its slots filled by load: the experts with
+  the most activations per copy, as DeepSeek's EPLB picks them, each copy where its tokens are;
 - ``eplb``: DeepSeek's EPLB at ``R`` (hot experts copied, no locality, vLLM's EPLB serving);
 - ``stock``: vLLM's linear placement with no data scheduling and the ``R`` slots left unused.
 
@@ -37,9 +39,9 @@ from .tables import SemMoETables, build_tables
 from .trace import RoutingTrace
 
 #: the candidates, in the order ties are broken (module docstring)
-VARIANTS = ("locality", "balanced", "eplb", "stock")
+VARIANTS = ("locality", "balanced", "hot", "eplb", "stock")
 #: variants that schedule data with Sem-MoE's tables
-SCHEDULED = ("locality", "balanced")
+SCHEDULED = ("locality", "balanced", "hot")
 #: θ of the ``balanced`` variant: ten times the default, so that the two Sem-MoE candidates differ
 #: clearly in how much locality they trade for expert balance (not tuned: the cross-validated
 #: step time decides between them per target)
@@ -66,9 +68,9 @@ def solve_variant(variant: str, profile: RoutingTrace, ep_size: int, mode, redun
     variant does not schedule data)."""
     mode = serving_mode(mode)
     if variant in SCHEDULED:
-        price = DEFAULT_LOAD_PRICE if variant == "locality" else BALANCED_LOAD_PRICE
-        placement = SemMoEPolicy(load_price=price).solve(profile, ep_size, mode=mode, seed=seed,
-                                                          redundant=redundant, progress=progress)
+        price = BALANCED_LOAD_PRICE if variant == "balanced" else DEFAULT_LOAD_PRICE
+        policy = SemMoEPolicy(load_price=price, replicas="load" if variant == "hot" else "locality")
+        placement = policy.solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant, progress=progress)
         return placement, build_tables(profile, placement, mode=mode)
     if variant == "eplb":
         return EplbPolicy().solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant), None
@@ -89,6 +91,7 @@ def choose(profile: RoutingTrace, ep_size: int, mode, redundant: int, targets, *
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = tuple(v for v in variants if redundant or v != "hot")  # without slots, hot is locality
     folds = cross_validation_folds(profile, seed)
     groups = node_groups({t.hardware for t in targets})
     batches = sorted({t.batch_tokens for t in targets})

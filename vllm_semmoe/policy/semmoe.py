@@ -195,6 +195,58 @@ def replicas_for_schedule(profile: RoutingTrace, placement: Placement, redundant
     return np.argsort(-use, axis=2, kind="stable")[:, :, :redundant]
 
 
+def replicas_for_load(profile: RoutingTrace, placement: Placement, redundant: int, mode: str) -> np.ndarray:
+    """``[L, E, R]`` replicas for load and locality: the slots go, one at a time, to the expert
+    whose activations per copy are highest (DeepSeek EPLB's rule for which experts to copy), each
+    copy on the device, among those with a free slot and no copy yet, whose scheduled units use
+    that expert most (where its tokens are; the online scheduler simulated on the profile as in
+    :func:`replicas_for_schedule`)."""
+    E, L, N = placement.ep_size, placement.num_layers, placement.num_experts
+    tables = build_tables(profile, placement, mode=mode)
+    device = scheduled_devices(profile, placement, tables, EvalConfig(mode=mode))  # [T, L]
+    out = np.zeros((L, E, redundant), np.int64)
+    for l in range(L):
+        use = np.zeros((E, N))
+        np.add.at(use, (np.repeat(device[:, l], profile.top_k), profile.experts[:, l].ravel().astype(np.int64)), 1)
+        out[l] = _hot_copies(use, placement.expert_device[l].astype(np.int64), redundant)
+    return out
+
+
+@numba.njit(cache=True)
+def _hot_copies(use, home, redundant):
+    """``[E, R]``: :func:`replicas_for_load` for one layer; ``use [E, N]`` activations of each
+    expert by the units on each device, ``home [N]``."""
+    E, N = use.shape
+    load = use.sum(axis=0)
+    copies = np.ones(N)
+    holds = np.zeros((E, N), np.bool_)
+    for n in range(N):
+        holds[home[n], n] = True
+    free = np.full(E, redundant)
+    out = np.zeros((E, redundant), np.int64)
+    for _ in range(E * redundant):
+        best_n, best_share = -1, -1.0
+        for n in range(N):
+            share = load[n] / copies[n]
+            if share > best_share:
+                eligible = False
+                for e in range(E):
+                    if free[e] > 0 and not holds[e, n]:
+                        eligible = True
+                        break
+                if eligible:
+                    best_n, best_share = n, share
+        best_e, best_use = -1, -1.0
+        for e in range(E):
+            if free[e] > 0 and not holds[e, best_n] and use[e, best_n] > best_use:
+                best_e, best_use = e, use[e, best_n]
+        out[best_e, redundant - free[best_e]] = best_n
+        free[best_e] -= 1
+        holds[best_e, best_n] = True
+        copies[best_n] += 1
+    return out
+
+
 @numba.njit(cache=True)
 def balance_swaps(gain, device, load, cap, theta=0.0):
     """Bring every device's expert load within ``cap`` by swapping expert pairs between the
@@ -271,6 +323,12 @@ def _request_counts(offsets, experts, num_experts):
     return out
 
 
+#: how the ``R`` redundant slots are filled: copies of what each device's units use most
+#: remotely (``locality``), or of the experts with the most activations per copy, each placed
+#: where its tokens are (``load``)
+REPLICA_RULES = {"locality": replicas_for_schedule, "load": replicas_for_load}
+
+
 class SemMoEPolicy(PlacementPolicy):
     """The paper's model–data co-scheduling placement."""
 
@@ -280,9 +338,11 @@ class SemMoEPolicy(PlacementPolicy):
     schedules_data = True
 
     def __init__(self, eps: float = 0.05, iters: int = 12, restarts: int = 6,
-                 load_slack: float = np.inf, load_price: float = DEFAULT_LOAD_PRICE):
+                 load_slack: float = np.inf, load_price: float = DEFAULT_LOAD_PRICE, replicas: str = "locality"):
+        if replicas not in REPLICA_RULES:
+            raise ValueError(f"replicas must be one of {', '.join(REPLICA_RULES)}, got {replicas!r}")
         self.eps, self.iters, self.restarts = eps, iters, restarts
-        self.load_slack, self.load_price = load_slack, load_price
+        self.load_slack, self.load_price, self.replicas = load_slack, load_price, replicas
 
     def solve(self, profile, ep_size, *, mode="tp", seed=0, redundant=0, progress: Progress = None):
         mode = serving_mode(mode)
@@ -315,7 +375,8 @@ class SemMoEPolicy(PlacementPolicy):
                     progress(l + 1, L, "semmoe co-clustering (tokens, per layer)")
         placement = Placement(e2d, ep_size, self.name)
         if redundant:
-            placement = Placement(e2d, ep_size, self.name, replicas_for_schedule(profile, placement, redundant, mode))
+            rule = REPLICA_RULES[self.replicas]
+            placement = Placement(e2d, ep_size, self.name, rule(profile, placement, redundant, mode))
             if progress:
                 progress(1, 1, f"semmoe replicas for locality (R = {redundant})")
         return placement
