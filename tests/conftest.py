@@ -17,8 +17,8 @@ def triton_interpreter():
 #: (so the longest pairs with the shortest of them), the short files filling in around them; a
 #: file keeps its own test order.
 LONGEST_FIRST = ("test_architectures.py", "test_cpu_parallel.py", "test_dp_routing.py", "test_plugin.py",
-                 "test_durable_capture.py", "test_compiled.py", "test_acceptance.py", "test_capture_honesty.py",
-                 "test_multinode.py", "test_serve.py")
+                 "test_durable_capture.py", "test_compiled.py", "test_bench_serve_repeat.py", "test_acceptance.py",
+                 "test_multinode.py", "test_capture_honesty.py", "test_serve.py")
 
 
 def pytest_collection_modifyitems(config, items):
