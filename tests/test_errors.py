@@ -394,6 +394,23 @@ def test_report_names_the_file_and_the_field_it_cannot_draw(capsys, eval_json, t
     assert line.startswith(f"semmoe: error: {path}: {message}") and "`semmoe eval --json`" in line, line
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("total_us", "12", "field rows[1].total_us must be a number, got '12'"),
+    ("batch_tokens", 0, "field rows[1].batch_tokens must be an integer >= 1, got 0"),
+    ("hardware", None, "field rows[1].hardware must be a string, got None"),
+])
+def test_report_names_the_cost_grid_row_it_cannot_draw(capsys, tmp_path, key, value, message):
+    row = {"mode": "tp", "method": "vanilla", "redundant": 0, "hardware": "pplx-1node", "calibrated": True,
+           "batch_tokens": 128, "hidden": 2048, "total_us": 10.0, "time_ratio_vs_vanilla": 1.0}
+    bad = {**row, "method": "semmoe", "total_us": 9.0, "time_ratio_vs_vanilla": 0.9}
+    bad[key] = value
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "grid.json"
+    path.write_text(json.dumps({"ep": 8, "rows": [row, bad]}))
+    line = _cli_error(capsys, ["report", "--from", str(tmp_path / "in"), "--out", str(tmp_path / "r")])
+    assert line.startswith(f"semmoe: error: {path}: {message}") and "`semmoe cost --grid --json`" in line, line
+
+
 def test_report_refuses_unreadable_json_naming_it(capsys, eval_json, tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "eval.json").write_text(json.dumps(eval_json))
