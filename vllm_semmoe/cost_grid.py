@@ -129,7 +129,7 @@ def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, mo
     from .modes import serving_mode
     from .policy import get_policy
     from .policy.base import check_redundant
-    from .time_objective import choose, solve_variant
+    from .time_objective import choose, solve_variants
 
     hardware = tuple(HARDWARE) if hardware is None else tuple(hardware)
     unknown = [h for h in hardware if h not in HARDWARE]
@@ -162,8 +162,8 @@ def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, mo
             if method == "semmoe":  # the time objective: per target, the variant fastest on the profile
                 choice = choose(profile, ep, mode, R, [t for b in batches for t in targets[b]], seed=seed,
                                 max_batches=max_batches)
-                variants = {v: solve_variant(v, profile, ep, mode, R, seed=seed)
-                            for v in dict.fromkeys(c.variant for c in choice.values())}
+                variants = solve_variants(tuple(dict.fromkeys(c.variant for c in choice.values())), profile, ep,
+                                          mode, R, seed=seed)
                 chosen[f"{mode}/R{R}"] = {f"{t.hardware}/{t.batch_tokens}/{t.shape.hidden}": c.variant
                                           for t, c in choice.items()}
             else:

@@ -66,17 +66,35 @@ def solve_variant(variant: str, profile: RoutingTrace, ep_size: int, mode, redun
                   seed: int = 0, progress=None) -> tuple[Placement, SemMoETables | None]:
     """``(placement, tables)`` of one candidate solved on ``profile`` (tables ``None`` where the
     variant does not schedule data)."""
+    return solve_variants((variant,), profile, ep_size, mode, redundant, seed=seed, progress=progress)[variant]
+
+
+def solve_variants(variants, profile: RoutingTrace, ep_size: int, mode, redundant: int = 0, *,
+                   seed: int = 0, progress=None) -> dict:
+    """``{variant: (placement, tables)}`` of each of ``variants`` solved on ``profile``;
+    ``locality`` and ``hot`` share one co-clustering (the same homes, different replicas)."""
     mode = serving_mode(mode)
-    if variant in SCHEDULED:
-        price = BALANCED_LOAD_PRICE if variant == "balanced" else DEFAULT_LOAD_PRICE
-        policy = SemMoEPolicy(load_price=price, replicas="load" if variant == "hot" else "locality")
-        placement = policy.solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant, progress=progress)
-        return placement, build_tables(profile, placement, mode=mode)
-    if variant == "eplb":
-        return EplbPolicy().solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant), None
-    if variant == "stock":
-        return VanillaPolicy().solve(profile, ep_size, mode=mode, seed=seed), None
-    raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}")
+    homes, out = None, {}
+    for variant in variants:
+        if variant in SCHEDULED:
+            price = BALANCED_LOAD_PRICE if variant == "balanced" else DEFAULT_LOAD_PRICE
+            policy = SemMoEPolicy(load_price=price, replicas="load" if variant == "hot" else "locality")
+            if variant == "balanced":
+                placement = policy.solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant,
+                                         progress=progress)
+            else:
+                if homes is None:
+                    homes = policy.solve(profile, ep_size, mode=mode, seed=seed, progress=progress)
+                placement = policy.replicate(profile, homes, redundant, mode)
+            out[variant] = placement, build_tables(profile, placement, mode=mode)
+        elif variant == "eplb":
+            out[variant] = EplbPolicy().solve(profile, ep_size, mode=mode, seed=seed, redundant=redundant), None
+        else:  # stock
+            out[variant] = VanillaPolicy().solve(profile, ep_size, mode=mode, seed=seed), None
+    return out
 
 
 def choose(profile: RoutingTrace, ep_size: int, mode, redundant: int, targets, *, seed: int = 0,
@@ -88,19 +106,15 @@ def choose(profile: RoutingTrace, ep_size: int, mode, redundant: int, targets, *
     targets = tuple(targets)
     if not targets:
         raise ValueError("the time objective needs at least one target")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     variants = tuple(v for v in variants if redundant or v != "hot")  # without slots, hot is locality
     folds = cross_validation_folds(profile, seed)
     groups = node_groups({t.hardware for t in targets})
     batches = sorted({t.batch_tokens for t in targets})
     choices = {t: Choice(t, variants[0]) for t in targets}
-    for i, variant in enumerate(variants):
+    for i, (fit, check) in enumerate(folds):
         if progress:
-            progress(i, len(variants), f"time objective ({mode}, R = {redundant}): {variant}")
-        for fit, check in folds:
-            placement, tables = solve_variant(variant, fit, ep_size, mode, redundant, seed=seed)
+            progress(i, len(folds), f"time objective ({mode}, R = {redundant}): fold {i + 1}")
+        for variant, (placement, tables) in solve_variants(variants, fit, ep_size, mode, redundant, seed=seed).items():
             for batch in batches:
                 traffic = stream_traffic(check, placement, tables, mode, batch, groups,
                                          max_batches=max_batches)["traffic"]
@@ -111,7 +125,7 @@ def choose(profile: RoutingTrace, ep_size: int, mode, redundant: int, targets, *
     for c in choices.values():
         c.variant = min(variants, key=lambda v: c.times_us[v])  # ties: the earlier variant
     if progress:
-        progress(len(variants), len(variants), f"time objective ({mode}, R = {redundant})")
+        progress(len(folds), len(folds), f"time objective ({mode}, R = {redundant})")
     return choices
 
 
@@ -135,4 +149,4 @@ def solve_for_time(profile: RoutingTrace, ep_size: int, mode, redundant: int, ta
 
 
 __all__ = ["BALANCED_LOAD_PRICE", "SCHEDULED", "VARIANTS", "Choice", "Target", "choose", "cross_validation_folds",
-           "solve_for_time", "solve_variant"]
+           "solve_for_time", "solve_variant", "solve_variants"]

@@ -373,10 +373,16 @@ class SemMoEPolicy(PlacementPolicy):
                 e2d[l] = placed[0]
                 if progress:
                     progress(l + 1, L, "semmoe co-clustering (tokens, per layer)")
-        placement = Placement(e2d, ep_size, self.name)
-        if redundant:
-            rule = REPLICA_RULES[self.replicas]
-            placement = Placement(e2d, ep_size, self.name, rule(profile, placement, redundant, mode))
-            if progress:
-                progress(1, 1, f"semmoe replicas for locality (R = {redundant})")
+        placement = self.replicate(profile, Placement(e2d, ep_size, self.name), redundant, mode)
+        if redundant and progress:
+            progress(1, 1, f"semmoe replicas for {self.replicas} (R = {redundant})")
         return placement
+
+    def replicate(self, profile, homes: Placement, redundant: int, mode) -> Placement:
+        """``homes`` (a placement without replicas) with ``redundant`` slots per device filled by
+        this policy's replica rule (:data:`REPLICA_RULES`); ``homes`` itself for ``redundant = 0``."""
+        if not redundant:
+            return homes
+        rule = REPLICA_RULES[self.replicas]
+        return Placement(homes.expert_device, homes.ep_size, self.name,
+                         rule(profile, homes, redundant, serving_mode(mode)))
