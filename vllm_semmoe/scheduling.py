@@ -482,16 +482,8 @@ def dp_choose_balanced(votes, load, mean_work, work, balance, price, price_step)
         The chosen rank (ties → lowest).
     """
     E = votes.shape[0]
-    low = load.min()
-    mean_work = max(mean_work, 1e-30)
-    gap = balance / (mean_work * mean_work)
-    chosen = 0
-    best = -np.inf
-    for e in range(E):
-        value = votes[e] - work * (price[e] + gap * (load[e] - low))
-        if value > best:
-            best, chosen = value, e
-    step = price_step * work / mean_work
+    chosen = int(np.argmax(_balanced_values(votes, load, mean_work, work, balance, price)))  # ties: lowest
+    step = price_step * work / max(mean_work, 1e-30)
     price[chosen] += step
     for e in range(E):
         price[e] -= step / E
@@ -634,11 +626,16 @@ def dp_balanced_values(votes: np.ndarray, load: np.ndarray, mean_work: float, wo
 
     Arguments as :func:`dp_choose_balanced`'s.
     """
-    votes = np.asarray(votes, np.float64)
-    load = np.asarray(load, np.float64)
-    mean_work = max(float(mean_work), 1e-30)
+    return _balanced_values(np.asarray(votes, np.float64), np.asarray(load, np.float64), float(mean_work),
+                            float(work), float(balance), np.asarray(price, np.float64))
+
+
+@numba.njit(cache=True)
+def _balanced_values(votes, load, mean_work, work, balance, price):
+    """:func:`dp_balanced_values` on float64 arrays (the one statement of the DP rule's value)."""
+    mean_work = max(mean_work, 1e-30)
     gap = balance / (mean_work * mean_work)
-    return votes - work * (np.asarray(price, np.float64) + gap * (load - load.min()))
+    return votes - work * (price + gap * (load - load.min()))
 
 
 def round_robin_assign(num_requests: int, ep_size: int) -> np.ndarray:
