@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from vllm_semmoe.capture_store import SegmentWriter
+from vllm_semmoe.core.capture_store import SegmentWriter
 
 L, N, K = 26, 64, 6
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_semmoe import scheduling, scheduling_torch
-from vllm_semmoe.schedulers import previous_experts
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.kernels import scheduling_torch
+from vllm_semmoe.core.schedulers import previous_experts
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import build_tables
 
 
 @pytest.fixture(scope="module")

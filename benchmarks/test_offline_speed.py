@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from vllm_semmoe import scheduling
-from vllm_semmoe.schedulers import DEFAULT_DP_BALANCE, previous_experts
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.core.schedulers import DEFAULT_DP_BALANCE, previous_experts
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import build_tables
 
 
 @pytest.fixture(scope="module")

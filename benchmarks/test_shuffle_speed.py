@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from csrc_triton import shuffle
-from vllm_semmoe import scheduling
+from vllm_semmoe.core import scheduling
 
 B, E, H = 4096, 8, 2048  # a prefill chunk at EP8, a DeepSeek-V2-Lite-sized hidden state
 

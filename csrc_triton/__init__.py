@@ -8,7 +8,7 @@ Each kernel comes with a PyTorch reference used on CPU; see the online data-sche
 - :func:`sag_unpack` / :func:`sag_unpack_scaled`: unpack-and-inverse-permute
   ``[E*cap, H] -> [B, H]`` after the all-gather (optionally times a per-token scale).
 - :func:`csrc_triton.align.align_rounds`: the price rounds of the TP decision
-  (``scheduling.align``) in one launch, used by ``vllm_semmoe.scheduling_torch`` on CUDA.
+  (``scheduling.align``) in one launch, used by ``vllm_semmoe.kernels.scheduling_torch`` on CUDA.
 
 The dispatchers run Triton on CUDA tensors or under ``TRITON_INTERPRET=1`` (read at call time)
 and the ``*_reference`` functions otherwise; see :mod:`csrc_triton.shuffle`.

@@ -1,4 +1,4 @@
-"""Price rounds of the Attention-TP decision (:func:`vllm_semmoe.scheduling.align`) in one kernel.
+"""Price rounds of the Attention-TP decision (:func:`vllm_semmoe.core.scheduling.align`) in one kernel.
 
 Every MoE layer of every step decides which device each token goes to: ``[B, E]`` scores, at
 most ``capacity`` tokens per device, Lagrangian prices raised on over-subscribed devices for up
@@ -100,7 +100,7 @@ def _params(device: torch.device) -> torch.Tensor:
 
 def align_rounds(score: torch.Tensor, capacity: int, rounds: int, *, tile: int | None = None,
                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The price rounds of :func:`vllm_semmoe.scheduling.balanced_assignment` (unit weights),
+    """The price rounds of :func:`vllm_semmoe.core.scheduling.balanced_assignment` (unit weights),
     one launch, nothing read back.
 
     Args:

@@ -4,7 +4,7 @@ After attention every TP rank holds partial sums of all ``B`` tokens' hidden sta
 The shuffled reduce-scatter (SRS) permutes the rows so that the tokens routed to device ``e``
 fill slice ``e`` (``capacity`` rows, ``PAD`` = -1 where a slice is not full) and then
 reduce-scatters; the shuffled all-gather (SAG) gathers the ``[E*capacity, H]`` slices and applies
-the inverse permutation. See :func:`vllm_semmoe.scheduling.shuffle_permutation`.
+the inverse permutation. See :func:`vllm_semmoe.core.scheduling.shuffle_permutation`.
 
 Every operation has a pure-PyTorch ``*_reference`` with the same semantics (bit-exact, except
 the fp32 rounding of :func:`sag_unpack_scaled`) and a dispatcher that runs the Triton kernel when
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-PAD = -1  # slot without a token (same as vllm_semmoe.scheduling.PAD)
+PAD = -1  # slot without a token (same as vllm_semmoe.core.scheduling.PAD)
 
 __all__ = [
     "PAD",

@@ -39,7 +39,7 @@ with its window imbalance relative to the online least-loaded balancer's (``lar@
 The ``default`` knobs are ``scheduling``'s (``DEFAULT_DP_BALANCE``, ``DEFAULT_DP_PRICE_STEP``).
 The studies' figures: benchmarks/SEEDS.md (where the rest of the DP bar is lost).
 
-Every study splits the requests outside the tuning split (``vllm_semmoe.trace.TUNING_FRAC``, the
+Every study splits the requests outside the tuning split (``vllm_semmoe.core.trace.TUNING_FRAC``, the
 requests the knobs are chosen on) as ``semmoe eval`` does; ``--no-hold-out-tuning`` splits them
 all (``curve`` then also fits on up to 1,000).
 
@@ -53,13 +53,13 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe import scheduling
-from vllm_semmoe.affinity import token_expert_counts
-from vllm_semmoe.placement import Placement
-from vllm_semmoe.policy.lp import assign_experts
-from vllm_semmoe.policy.semmoe import SemMoEPolicy, cocluster, request_expert_counts
-from vllm_semmoe.tables import build_tables, placement_device_counts, request_idf
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.core.affinity import token_expert_counts
+from vllm_semmoe.core.placement import Placement
+from vllm_semmoe.core.policy.lp import assign_experts
+from vllm_semmoe.core.policy.semmoe import SemMoEPolicy, cocluster, request_expert_counts
+from vllm_semmoe.core.tables import build_tables, placement_device_counts, request_idf
+from vllm_semmoe.core.capture_store import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 E = 8

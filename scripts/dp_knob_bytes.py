@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe.bench_ep.plan import analytic_counts, plan_bench_ep
-from vllm_semmoe.evaluate import EvalConfig
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.tools.bench_ep.plan import analytic_counts, plan_bench_ep
+from vllm_semmoe.evaluation.evaluate import EvalConfig
+from vllm_semmoe.core.capture_store import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe.evaluate import EvalConfig, compare_seeds
-from vllm_semmoe.policy.semmoe import SemMoEPolicy
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_seeds
+from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
+from vllm_semmoe.core.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 

@@ -17,7 +17,8 @@ def decision_matches(trials: int = 200) -> dict:
     import numpy as np
     import torch
 
-    from vllm_semmoe import scheduling, scheduling_torch
+    from vllm_semmoe.core import scheduling
+    from vllm_semmoe.kernels import scheduling_torch
 
     rng = np.random.default_rng(0)
     bad = 0
@@ -49,7 +50,7 @@ def decision_matches(trials: int = 200) -> dict:
 
 
 def _expert_rule_inputs(rng, B, E=8, N=64, K=6, J=4096):
-    """Random inputs of :func:`vllm_semmoe.scheduling.tp_expert_scores` (DeepSeek-V2-Lite's shape)."""
+    """Random inputs of :func:`vllm_semmoe.core.scheduling.tp_expert_scores` (DeepSeek-V2-Lite's shape)."""
     import numpy as np
 
     def dist(*shape):
@@ -70,7 +71,7 @@ def time_moe_vs_decision(worker) -> dict:
     import numpy as np
     import torch
 
-    from vllm_semmoe import scheduling_torch
+    from vllm_semmoe.kernels import scheduling_torch
     from vllm_semmoe.vllm_adapter import compat
     from vllm_semmoe.vllm_adapter.replacement import moe_runners
 
@@ -124,7 +125,8 @@ def time_without_vllm() -> dict:
 
     from csrc_triton import align as align_kernel
     from csrc_triton import shuffle
-    from vllm_semmoe import scheduling, scheduling_torch
+    from vllm_semmoe.core import scheduling
+    from vllm_semmoe.kernels import scheduling_torch
 
     H, K, I = 2048, 6, 1408
     rounds = scheduling_torch.ROUNDS
@@ -202,10 +204,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_semmoe.assets import tiny_moe_path
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.capture_store import load_trace
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
+    from vllm_semmoe.core.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.config import SemMoEConfigError
     from vllm_semmoe.vllm_adapter.recording import flush_capture
 

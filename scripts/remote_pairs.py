@@ -10,8 +10,8 @@ Current figures: benchmarks/RESULTS.md (section 4, TP mode against stock TP + EP
 import argparse
 from pathlib import Path
 
-from vllm_semmoe.bench_ep.plan import analytic_counts, plan_bench_ep
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.tools.bench_ep.plan import analytic_counts, plan_bench_ep
+from vllm_semmoe.core.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 

@@ -1,5 +1,5 @@
 """How the DP rule's balance knobs (``scheduling.DEFAULT_DP_BALANCE``, ``DEFAULT_DP_PRICE_STEP``)
-are chosen: on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation
+are chosen: on the tuning split only (``vllm_semmoe.core.trace.TUNING_FRAC``), which no evaluation
 uses.
 
 For each seed 0-4, the tuning split (20% of the DeepSeek-V2-Lite dev trace's requests; with
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe import scheduling
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables, placement_device_counts
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import build_tables, placement_device_counts
+from vllm_semmoe.core.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 E, FOLDS, STREAMS = 8, 5, 16

@@ -1,6 +1,6 @@
 """How Sem-MoE's expert-load term is chosen: first a hard bound (``load_slack``), then the
 Lagrangian θ held to it (``policy.semmoe.DEFAULT_LOAD_PRICE``); on the tuning split only
-(``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation uses.
+(``vllm_semmoe.core.trace.TUNING_FRAC``), which no evaluation uses.
 
 The tuning split (20% of the DeepSeek-V2-Lite dev trace's requests) is split 50/50 (``--splits``
 seeds); ``--no-hold-out-tuning`` uses the seed-0 profile instead (its requests are in other
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_semmoe.evaluate import EvalConfig, evaluate
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.policy.semmoe import SemMoEPolicy
-from vllm_semmoe.tables import build_tables
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
+from vllm_semmoe.core.tables import build_tables
+from vllm_semmoe.core.capture_store import load_trace
 
 BOUND_SLACK = 0.05  # the hard bound the slack rule chose; ``--restarts`` compares at it
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"

@@ -1,5 +1,5 @@
 """How the TP scheduler's evidence weights (``scheduling.TP_EVIDENCE_WEIGHTS``) are chosen:
-on the tuning split only (``vllm_semmoe.trace.TUNING_FRAC``), which no evaluation uses.
+on the tuning split only (``vllm_semmoe.core.trace.TUNING_FRAC``), which no evaluation uses.
 
 The tuning split (20% of the DeepSeek-V2-Lite dev trace's requests) is split 50/50; Sem-MoE is
 solved and its tables built on one half, and the TP LAR of every weight triple in a small grid is
@@ -18,11 +18,11 @@ import itertools
 from dataclasses import replace
 from pathlib import Path
 
-from vllm_semmoe import scheduling
-from vllm_semmoe.evaluate import EvalConfig, evaluate
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import build_tables
+from vllm_semmoe.core.capture_store import load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing" / "dsv2lite_puffin-dev.npz"
 

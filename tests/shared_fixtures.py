@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import load_trace
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("SEMMOE_DATA_DIR", REPO.parent / "shared" / "data"))

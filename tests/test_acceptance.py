@@ -2,7 +2,7 @@
 
 Every figure is the mean over the request splits of seeds 0-4, and each asserted threshold also
 holds on every single seed. The tuning split (20% of the requests, the ones every knob was chosen
-on: ``vllm_semmoe.trace.TUNING_FRAC``) is in no split; of the other requests each seed profiles
+on: ``vllm_semmoe.core.trace.TUNING_FRAC``) is in no split; of the other requests each seed profiles
 20% of the trace's and evaluates the rest. Same computation as
 
     semmoe eval --profile ../shared/data/routing/dsv2lite_puffin-dev.npz --profile-frac 0.2 \\
@@ -24,8 +24,8 @@ import os
 import numpy as np
 import pytest
 
-from vllm_semmoe.evaluate import EvalConfig, compare_methods, compare_seeds, placement_cache
-from vllm_semmoe.policy.semmoe import SemMoEPolicy
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, compare_seeds, placement_cache
+from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
 
 SEEDS = [0, 1, 2, 3, 4]
 CACHE_DIR = os.environ.get("SEMMOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vllm-semmoe"))

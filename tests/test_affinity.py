@@ -1,7 +1,7 @@
 import numpy as np
 
-from vllm_semmoe.affinity import affinity_report, confidence, token_expert_counts
-from vllm_semmoe.trace import RoutingTrace
+from vllm_semmoe.core.affinity import affinity_report, confidence, token_expert_counts
+from vllm_semmoe.core.trace import RoutingTrace
 
 
 def test_counts_match_a_direct_count(small_trace):

@@ -33,12 +33,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_semmoe.placement import Placement
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.core.placement import Placement
+from vllm_semmoe.core.tables import build_tables
 from vllm_semmoe.testing.checkpoints import ARCHITECTURES, BF16_ONLY, tiny_checkpoint
 from vllm_semmoe.testing.plugin_free import plugin_free_runs
 from vllm_semmoe.testing.processes import run_logged
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import load_trace
 
 pytest.importorskip("vllm")
 
@@ -83,7 +83,7 @@ def random_placement(num_layers: int, num_experts: int, ep_size: int, seed: int)
 
 
 def _run(model, tmp, name, dtype, semmoe):
-    from vllm_semmoe.vllm_adapter.engine import run_prompts
+    from vllm_semmoe.tools.engine import run_prompts
 
     capture = tmp / f"{name}.npz"
     tokens, _ = run_prompts(str(model), PROMPTS, max_tokens=MAX_TOKENS, max_model_len=256, dtype=dtype,
@@ -200,7 +200,7 @@ import asyncio, gc, json, os, sys, traceback
 
 def offline(cfg, run):
     # TP 2 + EP through the offline LLM (multi-process engine and workers)
-    from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    from vllm_semmoe.tools.engine import fit_prompts, flush, generate, make_llm
 
     llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
                    tensor_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp", seed=0)
@@ -296,9 +296,9 @@ def multi_rank_runs(baselines, tmp_path_factory):
 
     from test_cpu_parallel import _engine_env
 
-    from vllm_semmoe.capture_store import parts_dir, read_capture, segment_files
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.vllm_adapter.engine import default_cache_root
+    from vllm_semmoe.core.capture_store import parts_dir, read_capture, segment_files
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.tools.engine import default_cache_root
 
     cache = {}
 
@@ -419,7 +419,7 @@ def test_replicas_refused_where_the_model_builds_no_redundant_slots(arch, multi_
 def test_dp_mode_dp2_ep(arch, baselines, multi_rank_runs):
     """Sem-MoE's ``dp`` mode at DP 2 + EP: the router sends requests to both ranks, and every
     token's captured logical routing and every greedy token equal the plugin-free baseline."""
-    from vllm_semmoe.capture_store import read_segment
+    from vllm_semmoe.core.capture_store import read_segment
 
     base = multi_rank_baseline(baselines(arch), "one_at_a_time" if arch in BF16_ONLY else "batched")
     run = _served(multi_rank_runs, arch, "dp_mode")
@@ -448,7 +448,7 @@ def main():
     from vllm.model_executor.model_loader import get_model_loader
     from vllm_semmoe.vllm_adapter.plugin import register
     from vllm_semmoe.vllm_adapter.replacement import expert_indexed_tensors, moe_runners
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.core.tables import load_tables
 
     register()
     args = EngineArgs(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True,
@@ -505,7 +505,7 @@ def test_fp8_block_moe_parameters_move_with_their_expert(tmp_path):
     from test_cpu_parallel import _engine_env, _run_bounded
 
     from vllm_semmoe.testing.checkpoints import fp8_checkpoint
-    from vllm_semmoe.trace import RoutingTrace
+    from vllm_semmoe.core.trace import RoutingTrace
 
     model = fp8_checkpoint("qwen3_moe")
     config = json.loads((model / "config.json").read_text())
@@ -536,7 +536,7 @@ def test_fp8_block_moe_parameters_move_with_their_expert(tmp_path):
 def _run_with_fingerprints(model, tmp, name, semmoe):
     import gc
 
-    from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    from vllm_semmoe.tools.engine import fit_prompts, flush, generate, make_llm
     from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
 
     capture = tmp / f"{name}.npz"
@@ -561,7 +561,7 @@ def test_deepseek_v2_lite_shape_with_real_tables(arch, baselines, dev_trace, tmp
     layer ``i + 1`` holds the checkpoint expert the tables' layer ``i`` puts there."""
     from safetensors.torch import load_file
 
-    from vllm_semmoe.policy import get_policy
+    from vllm_semmoe.core.policy import get_policy
 
     model = checkpoint(arch)
     profile = dev_trace.select_requests(np.arange(100))

@@ -1,4 +1,4 @@
-"""The expert-parallel MoE-layer benchmark (``vllm_semmoe.bench_ep``): real processes, real bytes.
+"""The expert-parallel MoE-layer benchmark (``vllm_semmoe.tools.bench_ep``): real processes, real bytes.
 
 Small runs (2 and 4 gloo ranks, hidden 64, a few layers and batches of the real DeepSeek
 trace) check that what is measured is what the routing implies, that every byte sent is
@@ -12,12 +12,13 @@ import os
 import numpy as np
 import pytest
 
-from vllm_semmoe import bench_ep
-from vllm_semmoe.bench_ep import BenchEPError, analytic_counts, format_bench_ep, plan_bench_ep, run_bench_ep
-from vllm_semmoe.bench_ep.plan import first_layers, sample_steps
+from vllm_semmoe.tools import bench_ep
+from vllm_semmoe.tools.bench_ep import BenchEPError, analytic_counts, format_bench_ep, plan_bench_ep, run_bench_ep
+from vllm_semmoe.core.schedulers import sample_steps
+from vllm_semmoe.core.trace import first_layers
 from vllm_semmoe.cli.bench import add_bench_ep_arguments, cmd_bench_ep
-from vllm_semmoe.evaluate import EvalConfig, compare_methods
-from vllm_semmoe.trace import TraceError
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods
+from vllm_semmoe.core.trace import TraceError
 
 from shared_fixtures import serving_by_hand
 

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.vllm_adapter.bench_serve import REPEAT_KEYS, aggregate_repeats, repeat_schedule, run_problems
+from vllm_semmoe.tools.bench_serve import REPEAT_KEYS, aggregate_repeats, repeat_schedule, run_problems
 
 
 def _run(policy: str, ttft_p50: float, ttft_p99: float, tpot: float, throughput: float, moe_bytes: float | None,
@@ -53,7 +53,7 @@ def test_median_and_spread_of_the_repetitions(tmp_path):
     assert set(runs[0]) < set(out) and out["policy"] == "semmoe" and out["rank_prompt_tokens"] == [2480, 2320]
     assert json.loads(json.dumps(out))["ttft_p99_s"] == pytest.approx(0.874)
     # `semmoe report` reads the aggregated run as it reads a single one
-    from vllm_semmoe.report import collect_inputs
+    from vllm_semmoe.evaluation.report import collect_inputs
 
     (tmp_path / "bench_serve.json").write_text(json.dumps({"runs": {"semmoe": out}, "outputs_identical": True}))
     assert collect_inputs(str(tmp_path))["bench_serve"] == [("bench_serve.json: semmoe", json.loads(json.dumps(out)))]
@@ -97,7 +97,7 @@ def test_bench_serve_repeat_interleaves_real_runs(tmp_path, monkeypatch, capsys)
     medians of its two repetitions, every repetition is under ``repeats``, and the sparse
     dispatch gives stock vLLM's text in every repetition."""
     from vllm_semmoe.assets import tiny_moe_path
-    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.core.synthetic import synthetic_trace
     from shared_fixtures import DATA_DIR
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -27,18 +27,18 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_semmoe.capture_store import (HEADER, HEADER_KEYS, CHUNK, _frame, _npz_bytes, compact_capture, coverage,
+from vllm_semmoe.core.capture_store import (HEADER, HEADER_KEYS, CHUNK, _frame, _npz_bytes, compact_capture, coverage,
                                        coverage_text, encode_step, parts_dir, segment_path)
 from vllm_semmoe.cli import main
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.trace import RoutingTrace, TraceError
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.trace import RoutingTrace, TraceError
+from vllm_semmoe.core.capture_store import load_trace
 from vllm_semmoe.vllm_adapter import ep_dispatch, metrics
-from vllm_semmoe.vllm_adapter.bench_serve import _summarise, parse_metrics, run_problems
+from vllm_semmoe.tools.bench_serve import _summarise, parse_metrics, run_problems
 from vllm_semmoe.vllm_adapter.capture import LiveCounters, RoutingRecorder
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig
 from vllm_semmoe.vllm_adapter.recording import flush_state, report_engine_failure
-from vllm_semmoe.modes import Layout
+from vllm_semmoe.core.modes import Layout
 from vllm_semmoe.vllm_adapter.state import EngineState, new_moe_counters
 from vllm_semmoe.cli.serving import serve_exit_status
 
@@ -370,7 +370,7 @@ class SegmentTee:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from vllm_semmoe.assets import tiny_moe_path
-    from vllm_semmoe.vllm_adapter.bench_serve import free_port, wait_healthy
+    from vllm_semmoe.tools.bench_serve import free_port, wait_healthy
 
     work = tmp_path_factory.mktemp("served")
     port = free_port()

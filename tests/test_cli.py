@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.tables import load_tables
+from vllm_semmoe.core.tables import load_tables
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,8 @@ def test_console_script_is_installed():
 
 def test_methods_come_from_the_policy_registry(trace_file, tmp_path, monkeypatch):
     """A policy added to the registry alone is accepted by ``solve`` and ``eval`` (no second list)."""
-    from vllm_semmoe.policy import POLICIES
-    from vllm_semmoe.policy.simple import RoundRobinPolicy
+    from vllm_semmoe.core.policy import POLICIES
+    from vllm_semmoe.core.policy.simple import RoundRobinPolicy
 
     class MinePolicy(RoundRobinPolicy):
         name = "mine"

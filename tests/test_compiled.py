@@ -99,9 +99,9 @@ def _assert_same_tokens(outputs: list[dict], reference: dict[int, list[int]], wh
 def _tables(tmp_path_factory, mode: str, redundant: int = 0) -> Path:
     """Sem-MoE tables for EP 2, solved for ``mode`` (with ``redundant`` replica slots per rank),
     from a synthetic trace of the tiny model's shape."""
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
 
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
     placement = get_policy("semmoe").solve(trace, 2, mode=mode, redundant=redundant)
@@ -124,7 +124,7 @@ def dp_tables(tmp_path_factory) -> Path:
 def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
     """TP 1, compiled, capture on: tokens equal the eager reference, and every step of every
     request is in the trace with routing for all 4 MoE layers."""
-    from vllm_semmoe.capture_store import load_trace
+    from vllm_semmoe.core.capture_store import load_trace
 
     capture = tmp_path / "capture.npz"
     result = _run_compiled(tmp_path, "tp1_capture", tp=1, semmoe={"capture": str(capture)})

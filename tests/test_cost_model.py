@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vllm_semmoe.cost_model import (DSV2_LITE, HARDWARE, PUBLISHED, Hardware, MoEShape, StepTraffic,
+from vllm_semmoe.evaluation.cost_model import (DSV2_LITE, HARDWARE, PUBLISHED, Hardware, MoEShape, StepTraffic,
                                     collective_seconds, cost_table, even_spread, exchange_seconds, expert_seconds,
                                     layer_times, link_rows, model_figure, moe_layer_cost, step_counts, step_traffic)
-from vllm_semmoe.placement import Placement
+from vllm_semmoe.core.placement import Placement
 
 from shared_fixtures import serving_by_hand
 
@@ -225,8 +225,8 @@ def test_semmoe_cost_command_models_every_method_on_real_routing(dev_trace_path,
 
 @pytest.fixture(scope="module")
 def synthetic_grid():
-    from vllm_semmoe.cost_grid import run_grid
-    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.evaluation.cost_grid import run_grid
+    from vllm_semmoe.core.synthetic import synthetic_trace
 
     trace = synthetic_trace(num_layers=3, num_experts=16, top_k=2, num_requests=80, mean_request_tokens=30)
     hardware = ("1-node-nvlink", "deepep-normal-2node", "deepep-ll-1node")
@@ -234,7 +234,7 @@ def synthetic_grid():
 
 
 def test_grid_has_one_flat_row_per_cell(synthetic_grid):
-    from vllm_semmoe.cost_grid import GRID_SHAPES, ROW_KEYS, grid_cells
+    from vllm_semmoe.evaluation.cost_grid import GRID_SHAPES, ROW_KEYS, grid_cells
 
     result, hardware = synthetic_grid
     rows = result["rows"]
@@ -272,7 +272,7 @@ def test_grid_semmoe_rows_serve_the_time_objectives_choice(synthetic_grid):
 
 
 def test_semmoe_vs_baselines_flags_every_slower_cell(synthetic_grid):
-    from vllm_semmoe.cost_grid import semmoe_vs_baselines
+    from vllm_semmoe.evaluation.cost_grid import semmoe_vs_baselines
 
     result, _ = synthetic_grid
     rows = [dict(r) for r in result["rows"]]
@@ -292,10 +292,10 @@ def test_semmoe_vs_baselines_flags_every_slower_cell(synthetic_grid):
 
 def test_grid_steps_are_the_steps_bench_ep_replays(small_trace):
     """The grid schedules each placement as ``bench-ep`` does: the same per-step rows."""
-    from vllm_semmoe.bench_ep import analytic_counts, plan_bench_ep
-    from vllm_semmoe.bench_ep.plan import first_layers
-    from vllm_semmoe.step_time import schedule
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.tools.bench_ep import analytic_counts, plan_bench_ep
+    from vllm_semmoe.core.trace import first_layers
+    from vllm_semmoe.evaluation.step_time import schedule
+    from vllm_semmoe.core.tables import build_tables
 
     trace = first_layers(small_trace, 4)
     for mode in ("tp", "dp"):
@@ -311,7 +311,7 @@ def test_semmoe_cost_grid_command_writes_flat_rows(dev_trace_path, tmp_path, cap
     import json
 
     from vllm_semmoe.cli import main
-    from vllm_semmoe.cost_grid import ROW_KEYS
+    from vllm_semmoe.evaluation.cost_grid import ROW_KEYS
 
     out = tmp_path / "grid.json"
     assert main(["cost", "--trace", str(dev_trace_path), "--ep", "8", "--grid", "--layers", "2", "--max-batches", "2",

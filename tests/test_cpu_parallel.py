@@ -252,9 +252,9 @@ def test_fixes_installed_and_idempotent() -> None:
 def sharegpt_profile(tmp_path_factory: pytest.TempPathFactory):
     """The routing the shuffle tests solve their tables on: 80 ShareGPT prompts (#3000-3079,
     8 generated tokens each) captured in one process (TP=1), once per module."""
-    from vllm_semmoe.prompts import load_prompts
-    from vllm_semmoe.capture_store import load_trace
-    from vllm_semmoe.vllm_adapter.engine import run_prompts
+    from vllm_semmoe.tools.prompts import load_prompts
+    from vllm_semmoe.core.capture_store import load_trace
+    from vllm_semmoe.tools.engine import run_prompts
 
     path = tmp_path_factory.mktemp("sharegpt_profile") / "profile.npz"
     run_prompts(str(tiny_moe_path()), load_prompts(str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"), 80, skip=3000),
@@ -647,9 +647,9 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
     if expert_parallel:
         cmd.append("--enable-expert-parallel")
     if replicas:
-        from vllm_semmoe.policy import get_policy
-        from vllm_semmoe.synthetic import synthetic_trace
-        from vllm_semmoe.tables import build_tables
+        from vllm_semmoe.core.policy import get_policy
+        from vllm_semmoe.core.synthetic import synthetic_trace
+        from vllm_semmoe.core.tables import build_tables
 
         trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
         build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="dp", redundant=1), mode="dp").save(
@@ -744,9 +744,9 @@ def _assert_slots_hold_placement(fingerprints: list, placement, what: str) -> No
 def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tmp_path: Path) -> None:
     """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
     gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
 
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
     placement = get_policy("semmoe").solve(trace, 2)
@@ -802,13 +802,13 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_p
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
     all-to-all actually moved drop (vs the same pipeline with contiguous slices and vLLM's
     placement) by at least what the offline evaluation predicts, less 2 points of LAR. The
-    prediction is :func:`vllm_semmoe.evaluate.evaluate` (what ``semmoe eval`` runs) on the
+    prediction is :func:`vllm_semmoe.evaluation.evaluate.evaluate` (what ``semmoe eval`` runs) on the
     captured routing with the engine's own batches (its forward steps: one prefill, then
     4-token decodes), as the plugin's live meter computes it."""
-    from vllm_semmoe.evaluate import EvalConfig, evaluate
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.capture_store import load_trace
+    from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.tables import build_tables
+    from vllm_semmoe.core.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
     runs = {}
@@ -871,8 +871,8 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profil
     with the checkpoint's), greedy tokens equal TP=1's, and the activations the engine's
     all-to-all found local rise over the same solver without replicas by at least the offline
     prediction's rise on the captured routing, less 2 points."""
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.tables import build_tables
 
     runs = {}
     for R in (0, 1):
@@ -899,15 +899,15 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sh
     copy the token can go to; at EP 4 it can have copies on two or more other ranks, and which
     one serves the activation is the rule of :meth:`Placement.serving_device` (a rank the token
     is sent to anyway, else the spread), applied in serving by
-    :func:`vllm_semmoe.placement_torch.serving_slots`. A wrong slot computes with another
+    :func:`vllm_semmoe.kernels.placement_torch.serving_slots`. A wrong slot computes with another
     expert's weights, so: every rank's slots hold the checkpoint experts the placement gives it,
     greedy tokens equal TP=1's, the served routing gives the rule that choice to make (counted
     offline on the capture with the serving rule), and the live LAR of the engine's all-to-all
     is the offline replay's on the same steps, within 2 points."""
-    from vllm_semmoe.schedulers import EvalConfig, scheduled_devices
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.tables import build_tables
-    from vllm_semmoe.capture_store import load_trace
+    from vllm_semmoe.core.schedulers import EvalConfig, scheduled_devices
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.tables import build_tables
+    from vllm_semmoe.core.capture_store import load_trace
 
     placement = get_policy("semmoe").solve(sharegpt_profile, 4, mode="tp", redundant=1)
     tables = build_tables(sharegpt_profile, placement, mode="tp")
@@ -941,7 +941,7 @@ def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
     slices and Sem-MoE's mode ``tp``, served back to back; each TP rank's counters file holds what
     its collectives sent. Stock: all-reduces only (closed form), no exchange; the shuffle: an
     exchange, and Sem-MoE's schedule makes more activations local than contiguous slices."""
-    from vllm_semmoe.vllm_adapter.bench_serve import run_bench_serve
+    from vllm_semmoe.tools.bench_serve import run_bench_serve
     from shared_fixtures import DATA_DIR
 
     dataset = str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz")

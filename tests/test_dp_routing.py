@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.placement import Placement
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.capture_store import read_segment
-from vllm_semmoe.tables import build_tables, load_tables
-from vllm_semmoe.vllm_adapter.bench_serve import run_bench_serve
+from vllm_semmoe.core.placement import Placement
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.capture_store import read_segment
+from vllm_semmoe.core.tables import build_tables, load_tables
+from vllm_semmoe.tools.bench_serve import run_bench_serve
 from vllm_semmoe.vllm_adapter.dp_routing import DpRouter
 from shared_fixtures import DATA_DIR
 

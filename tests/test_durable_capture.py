@@ -26,14 +26,14 @@ import psutil
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.capture_store import SegmentWriter, compact_capture, parts_dir, segment_path
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
-from vllm_semmoe.trace import TraceError
-from vllm_semmoe.capture_store import load_trace
-from vllm_semmoe.vllm_adapter.bench_serve import free_port, wait_healthy
-from vllm_semmoe.vllm_adapter.engine import default_cache_root
+from vllm_semmoe.core.capture_store import SegmentWriter, compact_capture, parts_dir, segment_path
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
+from vllm_semmoe.core.trace import TraceError
+from vllm_semmoe.core.capture_store import load_trace
+from vllm_semmoe.tools.bench_serve import free_port, wait_healthy
+from vllm_semmoe.tools.engine import default_cache_root
 
 L, N, K, V = 3, 16, 2, 50
 GRACE_S = 10  # after the signal, as a supervisor waits before SIGKILL (docker stop: 10 s)
@@ -128,7 +128,7 @@ def test_stale_file_and_parts_together_are_refused(tmp_path):
 def test_replay_meter_in_chunks_equals_evaluate_on_all_steps(method):
     """The recorder keeps no history: live LAR is accumulated chunk by chunk, and must equal
     ``evaluate`` on all steps at once (one batch per step)."""
-    from vllm_semmoe.evaluate import EvalConfig, evaluate
+    from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
     from vllm_semmoe.vllm_adapter.capture import ReplayMeter
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=300, num_requests=30)

@@ -23,7 +23,7 @@ import gc, json, sys, weakref
 
 def main():
     cfg = json.loads(sys.argv[1])
-    from vllm_semmoe.vllm_adapter.engine import fit_prompts, flush, generate, make_llm
+    from vllm_semmoe.tools.engine import fit_prompts, flush, generate, make_llm
     from vllm_semmoe.vllm_adapter import state as state_module
     out = {"runs": []}
     refs = []
@@ -127,8 +127,8 @@ def test_engine_and_api_server_states_have_real_types() -> None:
     import numpy as np
     import torch
 
-    from vllm_semmoe.modes import Layout
-    from vllm_semmoe.tables import SemMoETables
+    from vllm_semmoe.core.modes import Layout
+    from vllm_semmoe.core.tables import SemMoETables
     from vllm_semmoe.vllm_adapter import state
     from vllm_semmoe.vllm_adapter.capture import RoutingRecorder
     from vllm_semmoe.vllm_adapter.dp_routing import DpRouter
@@ -150,9 +150,9 @@ def test_engine_and_api_server_states_have_real_types() -> None:
 
 
 def _dp_tables(directory: Path) -> None:
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
 
     trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=256, num_requests=12)
     build_tables(trace, get_policy("semmoe").solve(trace, 2, mode="dp"), mode="dp").save(directory)

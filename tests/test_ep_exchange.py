@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_semmoe.ep_exchange import EpExchange, send_plan
+from vllm_semmoe.kernels.ep_exchange import EpExchange, send_plan
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from vllm_semmoe.evaluate import EvalConfig, evaluate
-from vllm_semmoe.schedulers import scheduled_devices
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.policy.eplb import (balanced_packing, expert_loads, load_imbalance, rank_loads, rank_rows,
+from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
+from vllm_semmoe.core.schedulers import scheduled_devices
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.policy.eplb import (balanced_packing, expert_loads, load_imbalance, rank_loads, rank_rows,
                                      rebalance_experts, replicate_experts, to_placement, vllm_replica_index,
                                      vllm_serving_device)
 
@@ -112,7 +112,7 @@ def test_r0_is_the_unreplicated_eplb(small_trace):
 def skewed():
     """A synthetic trace whose tokens prefer fixed experts with Zipf-distributed token frequencies
     (each layer's hottest expert serves well over its mean share)."""
-    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.core.synthetic import synthetic_trace
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, num_requests=120, mean_request_tokens=30, seed=3)
     loads = expert_loads(trace)
@@ -183,9 +183,9 @@ def test_cost_grid_spreads_eplb_copies_as_vllm_does(skewed):
     """The grid's EPLB rows count the copy vLLM's hash picks: a replica on the token's own rank
     is local only when the hash picks it, so EPLB's LAR stays below what the locality-first
     rule (Sem-MoE's serving) would give the same placement."""
-    from vllm_semmoe.cost_grid import run_grid
-    from vllm_semmoe.step_time import schedule
-    from vllm_semmoe.tables import placement_device_counts
+    from vllm_semmoe.evaluation.cost_grid import run_grid
+    from vllm_semmoe.evaluation.step_time import schedule
+    from vllm_semmoe.core.tables import placement_device_counts
 
     result = run_grid(skewed, 4, modes=("tp",), methods=("vanilla", "eplb"), redundant=(0, 2), batches=(64,),
                       hardware=("1-node-nvlink",))
@@ -204,9 +204,9 @@ def test_solve_export_reload_in_vllms_redundant_layout(dev_trace_path, tmp_path)
     """``semmoe solve --method eplb --redundant 2`` → ``semmoe export --format vllm-eplb``: vLLM's
     ``num_redundant_experts = E*R`` layout, which reads back to the same placement."""
     from vllm_semmoe.cli import main
-    from vllm_semmoe.interop import load_placement_file
-    from vllm_semmoe.policy.eplb import copy_devices
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.tools.interop import load_placement_file
+    from vllm_semmoe.core.policy.eplb import copy_devices
+    from vllm_semmoe.core.tables import load_tables
 
     tables = tmp_path / "tables"
     assert main(["solve", "--trace", str(dev_trace_path), "--ep", "8", "--method", "eplb", "--redundant", "2",
@@ -234,9 +234,9 @@ def test_solve_export_reload_in_vllms_redundant_layout(dev_trace_path, tmp_path)
 def test_bench_ep_replays_eplb_copies_as_evaluated(dev_trace):
     """``bench-ep``'s plan moves EPLB's tokens to the copies vLLM's hash picks: in TP mode (the
     same steps as the offline evaluation) its LAR is the evaluation's to the last activation."""
-    from vllm_semmoe.bench_ep import analytic_counts, plan_bench_ep
-    from vllm_semmoe.bench_ep.plan import first_layers
-    from vllm_semmoe.evaluate import compare_methods
+    from vllm_semmoe.tools.bench_ep import analytic_counts, plan_bench_ep
+    from vllm_semmoe.core.trace import first_layers
+    from vllm_semmoe.evaluation.evaluate import compare_methods
 
     trace = first_layers(dev_trace.select_requests(np.arange(120)), 3)
     profile, rest = trace.split(0.2, 0)

@@ -10,15 +10,15 @@ import zipfile
 import numpy as np
 import pytest
 
-from vllm_semmoe import scheduling
+from vllm_semmoe.core import scheduling
 from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.cli import main
-from vllm_semmoe.placement import PlacementError
-from vllm_semmoe.policy import POLICIES, get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import TablesError, build_tables, load_tables
-from vllm_semmoe.trace import TraceError
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.placement import PlacementError
+from vllm_semmoe.core.policy import POLICIES, get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import TablesError, build_tables, load_tables
+from vllm_semmoe.core.trace import TraceError
+from vllm_semmoe.core.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
 
 
@@ -119,10 +119,10 @@ def test_replicated_tables_are_refused_where_replicas_cannot_serve(tmp_path):
     (DP 1). Other layouts, no expert parallelism and vLLM's EPLB are refused, naming the fix."""
     from types import SimpleNamespace
 
-    from vllm_semmoe.modes import ServingMode
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.modes import ServingMode
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
     from vllm_semmoe.vllm_adapter.config import PLACEMENT_ONLY, replica_token_device
 
     trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=256, num_requests=20)
@@ -441,6 +441,6 @@ def test_import_says_what_a_refused_file_is_and_what_was_expected(capsys, tmp_pa
         path = tmp_path / name
         line = _cli_error(capsys, ["import", str(path), "--out", str(tmp_path / "x.npz")])
         assert line.startswith(f"semmoe: error: {path}: {what}"), line
-        assert line.endswith("; expected saved vLLM routed experts (vllm_semmoe.interop.save_vllm_routed_experts) "
+        assert line.endswith("; expected saved vLLM routed experts (vllm_semmoe.tools.interop.save_vllm_routed_experts) "
                              "or an SGLang per_token dump (expert_distribution_recorder_*.pt)"), line
         assert "weights_only" not in line  # torch's advice to unpickle untrusted files is not repeated

@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from vllm_semmoe.evaluate import EvalConfig, compare_methods, evaluate
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, evaluate
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import build_tables
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_bad_mode(split):
 def test_dp_reports_lock_step_balance_beside_the_references(split):
     import numpy as np
 
-    from vllm_semmoe import scheduling
+    from vllm_semmoe.core import scheduling
 
     profile, trace = split
     placement = get_policy("semmoe").solve(profile, 8, mode="dp")
@@ -64,7 +64,7 @@ def test_dp_reports_lock_step_balance_beside_the_references(split):
 
 
 def test_aggregate_seeds_mean_sd_per_seed():
-    from vllm_semmoe.evaluate import aggregate_seeds
+    from vllm_semmoe.evaluation.evaluate import aggregate_seeds
 
     out = aggregate_seeds([{"a": {"lar": 0.3}}, {"a": {"lar": 0.5}}])
     assert out["a"]["lar"]["mean"] == pytest.approx(0.4)
@@ -93,7 +93,7 @@ def test_replication_raises_lar_and_serves_every_activation_once(split):
 def test_placement_cache_returns_the_same_placement(split, tmp_path):
     import numpy as np
 
-    from vllm_semmoe.evaluate import placement_cache
+    from vllm_semmoe.evaluation.evaluate import placement_cache
 
     profile, _ = split
     cache = placement_cache(str(tmp_path))
@@ -140,7 +140,7 @@ def test_cli_eval_seeds_redundant_and_dp_curve(small_trace, tmp_path, capsys):
 def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
     """The TP evaluation decides layers on parallel threads (``EvalConfig.threads``): every
     token's device at every layer, and so every figure, equals the single-thread evaluation."""
-    import vllm_semmoe.schedulers as ev
+    import vllm_semmoe.core.schedulers as ev
 
     profile, trace = split
     placement = get_policy("semmoe").solve(profile, 8)
@@ -164,7 +164,7 @@ SEEDS = [0, 1, 2, 3, 4]
 def test_no_seed_split_uses_the_tuning_split(dev_trace):
     """The tuning split (the requests the knobs are chosen on) is in no seed's profile or
     evaluation set; the profile keeps its share of the whole trace, the evaluation the rest."""
-    from vllm_semmoe.trace import TUNING_FRAC, TraceError
+    from vllm_semmoe.core.trace import TUNING_FRAC, TraceError
 
     R = dev_trace.num_requests
     tuning = set(dev_trace.request_ids[dev_trace.tuning_requests()])
@@ -186,7 +186,7 @@ def test_compare_seeds_profiles_and_evaluates_outside_the_tuning_split(dev_trace
     """``compare_seeds`` (the acceptance figures) solves on each seed's held-out profile (the
     solve cache sees its fingerprint) and evaluates exactly the rest outside the tuning split
     (the DP rank-load curve counts the evaluated requests and tokens)."""
-    from vllm_semmoe.evaluate import compare_seeds
+    from vllm_semmoe.evaluation.evaluate import compare_seeds
 
     keys = []
 

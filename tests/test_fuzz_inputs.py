@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from vllm_semmoe.capture_store import SegmentWriter, encode_step
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import TablesError, build_tables, load_tables
-from vllm_semmoe.trace import RoutingTrace, TraceError
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import SegmentWriter, encode_step
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import TablesError, build_tables, load_tables
+from vllm_semmoe.core.trace import RoutingTrace, TraceError
+from vllm_semmoe.core.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
 
 FUZZ = settings(max_examples=150, deadline=None,

@@ -108,10 +108,47 @@ def test_finder_sees_a_cycle() -> None:
 
 def test_graph_reads_relative_and_local_imports() -> None:
     graph = import_graph()
-    assert "vllm_semmoe.trace" in graph["vllm_semmoe.evaluate"]  # a module-level relative import
+    assert "vllm_semmoe.core.trace" in graph["vllm_semmoe.evaluation.evaluate"]  # a module-level relative import
     assert graph["vllm_semmoe.cli"], "the CLI imports its command modules"
 
 
 def test_import_graph_has_no_cycle() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles (each line one cycle's modules): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+#: the packages from the ground up: each imports only those before it (and itself)
+LAYERS = ("csrc_triton", "vllm_semmoe.core", "vllm_semmoe.kernels", "vllm_semmoe.evaluation",
+          "vllm_semmoe.vllm_adapter", "vllm_semmoe.tools", "vllm_semmoe.testing", "vllm_semmoe.cli")
+GROUND = ("vllm_semmoe", "vllm_semmoe.assets")  # the version and the packaged model: anyone may import them
+
+
+def layer_of(module: str) -> int | None:
+    for i, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return i
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every import of a module from a later layer than the importer's."""
+    found = []
+    for module, targets in graph.items():
+        here = layer_of(module)
+        for target in targets:
+            there = layer_of(target)
+            if target not in GROUND and (here is None or there is None or there > here):
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_layer_check_sees_an_upward_import() -> None:
+    graph = {"vllm_semmoe.core.trace": {"vllm_semmoe.evaluation.evaluate", "vllm_semmoe"},
+             "vllm_semmoe.tools.engine": {"vllm_semmoe.vllm_adapter.config"}}
+    assert upward_imports(graph) == ["vllm_semmoe.core.trace -> vllm_semmoe.evaluation.evaluate"]
+
+
+def test_packages_import_only_the_layers_below() -> None:
+    graph = {m: t for m, t in import_graph().items() if m not in GROUND}
+    upward = upward_imports(graph)
+    assert not upward, "imports against the package layers " + " < ".join(LAYERS) + ": " + "; ".join(upward)

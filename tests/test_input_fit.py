@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.evaluate import EvalConfig, compare_methods, evaluate
-from vllm_semmoe.schedulers import scheduled_devices
-from vllm_semmoe.interop import sglang_expert_location
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
-from vllm_semmoe.trace import RoutingTrace, TraceMismatch, check_fit
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, evaluate
+from vllm_semmoe.core.schedulers import scheduled_devices
+from vllm_semmoe.tools.interop import sglang_expert_location
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
+from vllm_semmoe.core.trace import RoutingTrace, TraceMismatch, check_fit
 
 # The embedded model's shape (vllm_semmoe/assets/tiny_moe/config.json): 4 MoE layers x 32 experts, top-4.
 TINY = dict(num_layers=4, num_experts=32, top_k=4, vocab_size=6144)

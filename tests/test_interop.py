@@ -1,6 +1,6 @@
 """`semmoe import` / `semmoe export`: engines' own files in, engines' own files out.
 
-The input files are built here in each engine's documented layout (see vllm_semmoe/interop.py for
+The input files are built here in each engine's documented layout (see vllm_semmoe/tools/interop.py for
 the source each layout was read from) from real DeepSeek-V2-Lite routing, so an import can be
 compared with the routing it came from.
 """
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.interop import (check_physical_to_logical, expert_devices, import_routing,
+from vllm_semmoe.tools.interop import (check_physical_to_logical, expert_devices, import_routing,
                                  load_placement_file, load_sglang_per_token, load_vllm_routed_experts,
                                  save_vllm_routed_experts, sglang_expert_location, vllm_eplb_record)
-from vllm_semmoe.placement import PlacementError
-from vllm_semmoe.tables import load_tables
-from vllm_semmoe.trace import TraceError
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.placement import PlacementError
+from vllm_semmoe.core.tables import load_tables
+from vllm_semmoe.core.trace import TraceError
+from vllm_semmoe.core.capture_store import load_trace
 
 DENSE = 1  # DeepSeek-V2-Lite: model layer 0 is dense (first_k_dense_replace = 1)
 

@@ -1,5 +1,5 @@
 """The engine modes as objects: each mode's layout rules, default dispatch, replica rule and
-installed pieces live in :mod:`vllm_semmoe.modes`, and policies declare whether they schedule
+installed pieces live in :mod:`vllm_semmoe.core.modes`, and policies declare whether they schedule
 data. No vLLM needed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_semmoe.modes import (DP_ROUTER, ENGINE_MODES, MODES, PLACEMENT, RECORDER, TP_SHUFFLE, Layout, Mode,
+from vllm_semmoe.core.modes import (DP_ROUTER, ENGINE_MODES, MODES, PLACEMENT, RECORDER, TP_SHUFFLE, Layout, Mode,
                                ModeError, ServingMode, engine_mode)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,13 +106,13 @@ def test_the_plugin_config_holds_a_mode_and_refuses_as_its_own_error():
 
 
 def test_only_semmoe_schedules_data():
-    from vllm_semmoe.policy import POLICIES
+    from vllm_semmoe.core.policy import POLICIES
 
     assert {name for name, policy in POLICIES.items() if policy.schedules_data} == {"semmoe"}
 
 
 def test_modes_module_imports_nothing_of_the_project_or_vllm():
-    tree = ast.parse((REPO / "vllm_semmoe" / "modes.py").read_text(encoding="utf-8"))
+    tree = ast.parse((REPO / "vllm_semmoe" / "core" / "modes.py").read_text(encoding="utf-8"))
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] if node.module and not node.level else "." for node in ast.walk(tree)

@@ -50,7 +50,7 @@ CAPTURE = "served.npz"
 
 def _solve_tables(tmp: Path) -> Path:
     """``semmoe solve --mode dp --ep 2`` on a synthetic trace of the tiny model's shape."""
-    from vllm_semmoe.synthetic import synthetic_trace
+    from vllm_semmoe.core.synthetic import synthetic_trace
 
     trace_path = tmp / "profile.npz"
     synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=60, seed=1).save(trace_path)
@@ -192,8 +192,8 @@ def _complete(base: str, prompt, rank: int | None) -> tuple[int, object]:
 
 def _prompt_for_rank(tables_dir: Path, rank: int, length: int) -> list[int]:
     """Token ids whose Sem-MoE votes prefer ``rank`` (an idle router sends them there)."""
-    from vllm_semmoe.route import rank_dp_ranks
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.core.route import rank_dp_ranks
+    from vllm_semmoe.core.tables import load_tables
 
     tables = load_tables(tables_dir)
     rows = tables.t2d_score.astype(np.float32).sum(axis=0).reshape(len(tables.t2d_tokens), DP, -1).sum(axis=2)
@@ -204,7 +204,7 @@ def _prompt_for_rank(tables_dir: Path, rank: int, length: int) -> list[int]:
 
 
 def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deployment) -> None:
-    from vllm_semmoe.capture_store import compact_capture, load_trace, parts_dir, read_segment, segment_path
+    from vllm_semmoe.core.capture_store import compact_capture, load_trace, parts_dir, read_segment, segment_path
 
     base, nodes = deployment["base"], deployment["nodes"]
     # 1. every prompt pinned to each rank (the other node served through node 0's API server), at once

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_semmoe.placement import Placement, PlacementError
-from vllm_semmoe.policy import POLICIES, get_policy
+from vllm_semmoe.core.placement import Placement, PlacementError
+from vllm_semmoe.core.policy import POLICIES, get_policy
 
 
 @pytest.mark.parametrize("method", sorted(POLICIES))
@@ -53,7 +53,7 @@ def test_semmoe_rejects_unknown_mode(small_trace):
 
 
 def test_eplb_balances_load_better_than_vanilla(small_trace):
-    from vllm_semmoe.policy.simple import expert_loads
+    from vllm_semmoe.core.policy.simple import expert_loads
 
     loads = expert_loads(small_trace)
 
@@ -65,7 +65,7 @@ def test_eplb_balances_load_better_than_vanilla(small_trace):
 
 
 def test_moetuner_respects_its_load_bound(small_trace):
-    from vllm_semmoe.policy.simple import expert_loads
+    from vllm_semmoe.core.policy.simple import expert_loads
 
     loads = expert_loads(small_trace)
     placement = get_policy("moetuner").solve(small_trace, 8)
@@ -74,8 +74,8 @@ def test_moetuner_respects_its_load_bound(small_trace):
 
 
 def test_semmoe_respects_its_expert_load_bound(small_trace):
-    from vllm_semmoe.policy.semmoe import SemMoEPolicy
-    from vllm_semmoe.policy.simple import expert_loads
+    from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
+    from vllm_semmoe.core.policy.simple import expert_loads
 
     loads = expert_loads(small_trace)
     for slack in (0.05, 0.10):
@@ -89,7 +89,7 @@ def test_semmoe_respects_its_expert_load_bound(small_trace):
 def test_semmoe_load_price_trades_locality_for_balance():
     """The Lagrangian θ of ``balance_swaps``: a higher price leaves the most loaded device no
     heavier, and a high one balances where θ = 0 keeps the starting placement."""
-    from vllm_semmoe.policy.semmoe import balance_swaps
+    from vllm_semmoe.core.policy.semmoe import balance_swaps
 
     rng = np.random.default_rng(0)
     gain = rng.random((8, 64)) * 10
@@ -107,7 +107,7 @@ def test_semmoe_load_price_trades_locality_for_balance():
 def test_match_labels_undoes_a_relabelling():
     """``match_labels`` finds the permutation back to the reference's labels, even with some
     units moved (the matching keeps the most unit weight on its reference label)."""
-    from vllm_semmoe.policy.semmoe import match_labels
+    from vllm_semmoe.core.policy.semmoe import match_labels
 
     rng = np.random.default_rng(0)
     reference = rng.integers(0, 8, 500)
@@ -125,7 +125,7 @@ def test_cocluster_warm_start_with_restarts_keeps_the_best_run():
     """A warm start plus random restarts is never worse (in the profiled objective) than the
     warm start alone, and what it returns is consistent: the objective recomputed from the
     returned (relabelled) experts and units is the one reported."""
-    from vllm_semmoe.policy.semmoe import _gain, cocluster
+    from vllm_semmoe.core.policy.semmoe import _gain, cocluster
 
     rng = np.random.default_rng(1)
     U, N, E = 400, 32, 4
@@ -201,7 +201,7 @@ def test_serving_slots_choose_the_copies_the_offline_rule_counts():
     random replicated placements of 2-8 devices; and, by hand, a remote activation goes to a
     replica on a rank the token is already sent to rather than to its home."""
     from shared_fixtures import serving_by_hand
-    from vllm_semmoe.placement_torch import serving_slots
+    from vllm_semmoe.kernels.placement_torch import serving_slots
 
     # 3 devices, experts 0,1 on 0, 2,3 on 1, 4,5 on 2; device 0 replicates expert 3, device 1
     # expert 0, device 2 expert 2. A token on device 0 with experts 4 (single copy: device 2)
@@ -244,7 +244,7 @@ def test_replicas_are_validated():
 
 
 def _tiny_trace():
-    from vllm_semmoe.trace import RoutingTrace
+    from vllm_semmoe.core.trace import RoutingTrace
 
     return RoutingTrace.from_arrays(np.arange(4), np.zeros((4, 1, 1), np.int64) + np.arange(4)[:, None, None],
                                     np.array([0, 4]), vocab_size=4, num_experts=4)

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.prompts import load_prompts
-from vllm_semmoe.tables import build_tables, load_tables
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.tools.prompts import load_prompts
+from vllm_semmoe.core.tables import build_tables, load_tables
 from vllm_semmoe.testing.plugin_free import plugin_free_runs
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
-from vllm_semmoe.vllm_adapter.engine import run_prompts
+from vllm_semmoe.tools.engine import run_prompts
 from shared_fixtures import DATA_DIR
 
 MAX_TOKENS = 12
@@ -108,7 +108,7 @@ def test_placement_is_lossless_multi_process(baseline, plugin_free, prompts, tmp
     build_tables(trace, placement).save(tmp_path / "tables")
     script = (
         "import json, sys\n"
-        "from vllm_semmoe.vllm_adapter.engine import run_prompts\n"
+        "from vllm_semmoe.tools.engine import run_prompts\n"
         "if __name__ == '__main__':\n"
         "    prompts = json.loads(sys.argv[1])\n"
         f"    out, _ = run_prompts({tiny_moe_path()!r}, prompts, max_tokens={MAX_TOKENS}, in_process=False, dtype={DTYPE!r},\n"

@@ -3,7 +3,7 @@
 import pytest
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import load_trace
 from shared_fixtures import DATA_DIR
 
 pytest.importorskip("vllm")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.cli import main
-from vllm_semmoe.report import ReportError, build_report
+from vllm_semmoe.evaluation.report import ReportError, build_report
 
 PAGE_WIDTH = 1280  # px: the narrowest desktop window the page must fit without scrolling sideways
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -135,7 +135,7 @@ def test_report_says_what_it_could_not_draw(outputs, tmp_path):
 
 
 def test_bench_serve_json_with_several_policies_is_drawn(tmp_path):
-    from vllm_semmoe.report import collect_inputs, figure_bench_serve
+    from vllm_semmoe.evaluation.report import collect_inputs, figure_bench_serve
 
     run = lambda policy, b: {"policy": policy, "dp": 2, "rank_prompt_tokens": [10, 12],  # noqa: E731
                              "rank_imbalance": 1.09, "live_lar": 0.5, "moe_bytes_per_token": b}
@@ -149,7 +149,7 @@ def test_bench_serve_json_with_several_policies_is_drawn(tmp_path):
 
 def test_multi_seed_eval_is_drawn_from_the_seeds_means(outputs, tmp_path):
     """``semmoe eval --seeds`` writes every figure as {mean, sd, per_seed}: the report draws the means."""
-    from vllm_semmoe.evaluate import aggregate_seeds
+    from vllm_semmoe.evaluation.evaluate import aggregate_seeds
 
     out, _, _ = outputs
     data = json.loads((out / "eval_tp.json").read_text())
@@ -174,8 +174,8 @@ def figures(outputs):
     their JSON layout)."""
     import matplotlib.pyplot as plt
 
-    from vllm_semmoe import report
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.evaluation import report
+    from vllm_semmoe.core.tables import load_tables
 
     out, _, _ = outputs
     read = lambda name: json.loads((out / name).read_text())  # noqa: E731

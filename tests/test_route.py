@@ -1,4 +1,4 @@
-"""``semmoe route`` and :func:`vllm_semmoe.route.rank_dp_ranks`: Sem-MoE's DP rank choice for a
+"""``semmoe route`` and :func:`vllm_semmoe.core.route.rank_dp_ranks`: Sem-MoE's DP rank choice for a
 router outside vLLM ranks the ranks as the engine's router (``DpRouter``) would choose."""
 
 import json
@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_semmoe import scheduling
+from vllm_semmoe.core import scheduling
 from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.cli import main
-from vllm_semmoe.placement import Placement
-from vllm_semmoe.route import dp_rank_votes, rank_dp_ranks
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.core.placement import Placement
+from vllm_semmoe.core.route import dp_rank_votes, rank_dp_ranks
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
 from vllm_semmoe.vllm_adapter.dp_routing import DpRouter
 
 VOCAB = 6144  # the tiny model's vocabulary: its tokenizer's ids are the trace's token ids
@@ -190,7 +190,7 @@ def check_route_header_steers_requests(base: str, tables_dir, model: str, num_ra
     import time
     import urllib.request
 
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.core.tables import load_tables
 
     tables = load_tables(tables_dir)
     rows = tables.t2d_score.astype(np.float32).sum(axis=0).reshape(len(tables.t2d_tokens), num_ranks, -1).sum(axis=2)

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from vllm_semmoe.evaluate import EvalConfig, evaluate
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
 
 
 def test_qwen3_30b_shape_solves_and_beats_vanilla():

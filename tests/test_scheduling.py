@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_semmoe import scheduling
+from vllm_semmoe.core import scheduling
 
 
 @st.composite

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_semmoe import scheduling, scheduling_torch
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.kernels import scheduling_torch
 
 
 @st.composite
@@ -102,9 +103,9 @@ def test_repair_path_matches():
 def test_tp_shuffle_layer_schedules_the_same_on_device():
     """``TpShuffleLayer.schedule``'s on-device path (used for CUDA tensors; run here on CPU
     tensors) gives the host path's permutation, with the two-layer history."""
-    from vllm_semmoe.policy import get_policy
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
     from vllm_semmoe.vllm_adapter.state import new_moe_counters
     from vllm_semmoe.vllm_adapter.tp_shuffle import StepContext, TpShuffleLayer
 

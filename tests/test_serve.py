@@ -12,10 +12,10 @@ import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.cli import serve_command
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
-from vllm_semmoe.vllm_adapter.bench_serve import engines_compiled, free_port, stop_server, wait_healthy
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
+from vllm_semmoe.tools.bench_serve import engines_compiled, free_port, stop_server, wait_healthy
 
 CONCURRENT = 64
 

@@ -8,11 +8,11 @@ from collections import deque
 import numpy as np
 import pytest
 
-from vllm_semmoe import scheduling
-from vllm_semmoe.evaluate import DP_BASELINES, EvalConfig, evaluate
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.synthetic import synthetic_trace
-from vllm_semmoe.tables import build_tables
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.evaluation.evaluate import DP_BASELINES, EvalConfig, evaluate
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.synthetic import synthetic_trace
+from vllm_semmoe.core.tables import build_tables
 
 
 def sglang_by_hand(method: str, tokens, ep_size: int, window: int) -> list[int]:

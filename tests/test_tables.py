@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from vllm_semmoe.policy import get_policy
-from vllm_semmoe.tables import TablesError, build_tables, load_tables
+from vllm_semmoe.core.policy import get_policy
+from vllm_semmoe.core.tables import TablesError, build_tables, load_tables
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_shapes_and_probabilities(tables, small_trace):
 
 def test_transition_counts_what_followed_each_expert(small_trace):
     """X[l, j-1, n, m] from a hand count on the trace, before smoothing (alpha = 0)."""
-    from vllm_semmoe.tables import expert_transitions
+    from vllm_semmoe.core.tables import expert_transitions
 
     transition, prior = expert_transitions(small_trace, alpha=0.0)
     ex = small_trace.experts.astype(np.int64)
@@ -88,7 +88,7 @@ def replicated(small_trace):
 def test_replicated_tables_count_every_copy(replicated, small_trace):
     """With replicas a token's local shares over devices sum to more than 1, exactly as often
     as its experts have copies."""
-    from vllm_semmoe.tables import device_counts, placement_device_counts
+    from vllm_semmoe.core.tables import device_counts, placement_device_counts
 
     placement = replicated.placement
     counts = placement_device_counts(small_trace.experts, placement)
@@ -132,7 +132,7 @@ def test_replicated_round_trip_and_format_1_still_loads(replicated, tables, tmp_
 def test_unseen_tokens_take_their_nearest_profiled_neighbour(small_trace, tmp_path):
     """The paper's OOV rule: with the model's embedding, an unseen id reads the T2D row of the
     profiled token closest in cosine similarity; without it, -1 (the layer prior)."""
-    from vllm_semmoe.tables import nearest_profiled_rows
+    from vllm_semmoe.core.tables import nearest_profiled_rows
 
     profiled = np.unique(small_trace.tokens)
     V = int(profiled.max()) + 10

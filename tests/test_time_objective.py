@@ -8,17 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from vllm_semmoe.cost_model import HARDWARE, layer_times, step_traffic, summarize
-from vllm_semmoe.policy.eplb import served_by_vllm_eplb
-from vllm_semmoe.step_time import Target, schedule, serving_devices
-from vllm_semmoe.time_objective import VARIANTS, choose, cross_validation_folds, solve_variant
+from vllm_semmoe.evaluation.cost_model import HARDWARE, layer_times, step_traffic, summarize
+from vllm_semmoe.core.policy.eplb import served_by_vllm_eplb
+from vllm_semmoe.evaluation.step_time import Target, schedule, serving_devices
+from vllm_semmoe.evaluation.time_objective import VARIANTS, choose, cross_validation_folds, solve_variant
 
 TARGETS = (Target("deepep-normal-2node", 2048), Target("deepep-ll-1node", 64))
 
 
 @pytest.fixture(scope="module")
 def profile(dev_trace):
-    from vllm_semmoe.bench_ep.plan import first_layers
+    from vllm_semmoe.core.trace import first_layers
 
     return first_layers(dev_trace.select_requests(np.arange(160)), 3)
 
@@ -30,7 +30,7 @@ def choices(profile):
 
 def _time_by_hand(trace, placement, tables, target: Target) -> float:
     """The candidate's modelled step time, counted from the schedule with the cost model's
-    primitives (not through :func:`vllm_semmoe.step_time.stream_traffic`)."""
+    primitives (not through :func:`vllm_semmoe.evaluation.step_time.stream_traffic`)."""
     idx, offsets, device, source = schedule(trace, placement, tables, "tp", target.batch_tokens)
     experts = source.experts[idx].astype(np.int64)
     serving = serving_devices(placement, experts, device, offsets)
@@ -70,9 +70,9 @@ def test_variants_are_what_they_say(profile):
 
 def test_solve_objective_time_writes_the_chosen_variant(dev_trace, tmp_path, capsys):
     from vllm_semmoe.cli import main
-    from vllm_semmoe.tables import load_tables
+    from vllm_semmoe.core.tables import load_tables
 
-    from vllm_semmoe.bench_ep.plan import first_layers
+    from vllm_semmoe.core.trace import first_layers
 
     trace = first_layers(dev_trace.select_requests(np.arange(120)), 2)
     path = tmp_path / "t.npz"
@@ -93,7 +93,7 @@ def test_solve_objective_time_writes_the_chosen_variant(dev_trace, tmp_path, cap
 
 
 def test_hot_copies_go_to_the_heaviest_expert_per_copy_where_its_tokens_are():
-    from vllm_semmoe.policy.semmoe import _hot_copies
+    from vllm_semmoe.core.policy.semmoe import _hot_copies
 
     home = np.array([0, 0, 1, 1])
     # expert 0: 90 activations, 60 of them by device 1's units; expert 2: 50, 30 by device 0's

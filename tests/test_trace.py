@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from vllm_semmoe.trace import RoutingTrace, TraceError
+from vllm_semmoe.core.trace import RoutingTrace, TraceError
 
-from vllm_semmoe.capture_store import load_trace
+from vllm_semmoe.core.capture_store import load_trace
 
 
 def test_dev_trace_shape(dev_trace):

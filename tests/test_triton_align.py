@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_semmoe import scheduling, scheduling_torch
+from vllm_semmoe.core import scheduling
+from vllm_semmoe.kernels import scheduling_torch
 
 triton = pytest.importorskip("triton")
 from csrc_triton import align as align_kernel  # noqa: E402

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csrc_triton import shuffle
-from vllm_semmoe import scheduling
+from vllm_semmoe.core import scheduling
 
 triton = pytest.importorskip("triton")
 

@@ -300,9 +300,9 @@ def test_dp_routing_hook_on_033_client(source_033: Path, tmp_path: Path) -> None
     imported from the wheel, in a subprocess so it does not meet the installed 0.32)."""
     import numpy as np
 
-    from vllm_semmoe.placement import Placement
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.placement import Placement
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
 
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=80, seed=1)
     tables = build_tables(trace, Placement(np.tile(np.arange(32) // 16, (4, 1)), 2, "semmoe"), mode="dp")
@@ -411,9 +411,9 @@ def test_plugin_on_034_modules(source_034: Path, tmp_path: Path) -> None:
     placement-only through to vLLM's model build (which has no model to build here)."""
     import numpy as np
 
-    from vllm_semmoe.placement import Placement
-    from vllm_semmoe.synthetic import synthetic_trace
-    from vllm_semmoe.tables import build_tables
+    from vllm_semmoe.core.placement import Placement
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import build_tables
 
     trace = synthetic_trace(num_layers=2, num_experts=8, top_k=2, vocab_size=512, num_requests=20, seed=1)
     for mode in ("tp", "dp"):

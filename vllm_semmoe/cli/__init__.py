@@ -11,7 +11,7 @@
 
 Each concern module has ``add_parsers(sub)``; a new command is added in its module and, for a new
 module, in :data:`COMMAND_MODULES`. The accepted placement methods are the policy registry's
-(:data:`vllm_semmoe.policy.POLICIES`).
+(:data:`vllm_semmoe.core.policy.POLICIES`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..placement import PlacementError
-    from ..tables import TablesError
-    from ..trace import TraceError
+    from ..core.placement import PlacementError
+    from ..core.tables import TablesError
+    from ..core.trace import TraceError
     from ..vllm_adapter.config import SemMoEConfigError
 
     argv = sys.argv[1:] if argv is None else argv

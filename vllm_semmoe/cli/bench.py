@@ -1,11 +1,11 @@
-"""``semmoe bench-ep``: the EP MoE-layer all-to-all benchmark (:mod:`vllm_semmoe.bench_ep`)."""
+"""``semmoe bench-ep``: the EP MoE-layer all-to-all benchmark (:mod:`vllm_semmoe.tools.bench_ep`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..bench_ep.plan import DEFAULT_METHODS
-from ..modes import MODES, ServingMode
+from ..tools.bench_ep.plan import DEFAULT_METHODS
+from ..core.modes import MODES, ServingMode
 from .output import (Progress, add_redundant_argument, add_sample_argument, non_negative_int, positive_int,
                      write_json)
 
@@ -40,9 +40,9 @@ def add_bench_ep_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def cmd_bench_ep(args) -> int:
     """``semmoe bench-ep``: run, print the table, optionally write JSON."""
-    from ..bench_ep import BenchEPError, format_bench_ep, run_bench_ep
-    from ..placement import PlacementError
-    from ..trace import TraceError, TraceMismatch
+    from ..tools.bench_ep import BenchEPError, format_bench_ep, run_bench_ep
+    from ..core.placement import PlacementError
+    from ..core.trace import TraceError, TraceMismatch
     from .costs import load_fitting_trace
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

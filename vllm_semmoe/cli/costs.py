@@ -1,4 +1,4 @@
-"""``semmoe cost``: the MoE-layer cost model (:mod:`vllm_semmoe.cost_model`) on real routing.
+"""``semmoe cost``: the MoE-layer cost model (:mod:`vllm_semmoe.evaluation.cost_model`) on real routing.
 
 Every method is solved on the profile split, its data schedule replayed on the rest exactly as
 ``bench-ep`` replays it (the same plan), and the per-step dispatch rows and per-rank expert
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import time
 
-from ..modes import MODES
+from ..core.modes import MODES
 from .offline import DEFAULT_TRACE_HINT, method_list, method_names
 from .output import (Progress, add_json_argument, add_redundant_argument, add_sample_argument, non_negative_int,
                      positive_int, write_json)
 
 
 def cmd_cost(args) -> int:
-    from ..bench_ep import analytic_counts, plan_bench_ep
-    from ..cost_model import HARDWARE, MoEShape, cost_table, format_cost_table
-    from ..cost_grid import plan_traffic
+    from ..tools.bench_ep import analytic_counts, plan_bench_ep
+    from ..evaluation.cost_model import HARDWARE, MoEShape, cost_table, format_cost_table
+    from ..evaluation.cost_grid import plan_traffic
 
     hardware = list(HARDWARE) if args.hardware == "all" else [h.strip() for h in args.hardware.split(",")]
     unknown = [h for h in hardware if h not in HARDWARE]
@@ -58,10 +58,10 @@ def cmd_cost(args) -> int:
 
 def load_fitting_trace(path: str, ep: int, layers: int | None, *, ep_option: str = "--ep"):
     """The ``--trace`` of ``cost`` / ``bench-ep``, checked against the EP size and ``--layers``
-    before anything is solved (:func:`vllm_semmoe.trace.check_fit`)."""
-    from ..placement import PlacementError, check_ep_size
-    from ..trace import check_fit
-    from ..capture_store import load_trace
+    before anything is solved (:func:`vllm_semmoe.core.trace.check_fit`)."""
+    from ..core.placement import PlacementError, check_ep_size
+    from ..core.trace import check_fit
+    from ..core.capture_store import load_trace
 
     trace = load_trace(path)
     try:
@@ -76,7 +76,7 @@ def load_fitting_trace(path: str, ep: int, layers: int | None, *, ep_option: str
 
 def cmd_cost_grid(args, hardware) -> int:
     """``semmoe cost --grid``: every mode, method, R, step size, width and hardware set."""
-    from ..cost_grid import GRID_METHODS, format_grid, run_grid
+    from ..evaluation.cost_grid import GRID_METHODS, format_grid, run_grid
 
     start = time.perf_counter()
     trace = load_fitting_trace(args.trace, args.ep, args.layers)
@@ -93,7 +93,7 @@ def cmd_cost_grid(args, hardware) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``cost`` on the ``semmoe`` sub-parser set."""
-    from ..cost_model import DSV2_LITE, HARDWARE
+    from ..evaluation.cost_model import DSV2_LITE, HARDWARE
 
     p = sub.add_parser("cost", help="modelled MoE-layer time per method on named hardware (cost model)",
                        description=__doc__)

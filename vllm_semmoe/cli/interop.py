@@ -8,7 +8,7 @@ from .output import add_json_argument, non_negative_int, positive_int, write_jso
 
 
 def cmd_import(args) -> int:
-    from ..interop import import_routing
+    from ..tools.interop import import_routing
 
     result = import_routing(args.paths, args.format, num_experts=args.num_experts, vocab_size=args.vocab_size,
                             prefill_only=args.prefill_only)
@@ -32,9 +32,9 @@ def cmd_import(args) -> int:
 def cmd_export(args) -> int:
     import numpy as np
 
-    from ..interop import export_placement, load_placement_file
-    from ..placement import PlacementError
-    from ..tables import load_tables
+    from ..tools.interop import export_placement, load_placement_file
+    from ..core.placement import PlacementError
+    from ..core.tables import load_tables
 
     placement = load_tables(args.tables).placement
     summary = export_placement(placement, args.format, args.out, dense_layers=args.dense_layers)
@@ -43,7 +43,7 @@ def cmd_export(args) -> int:
     if summary["redundant_per_rank"] == 0:
         same = np.array_equal(back.placement().expert_device, placement.expert_device)
     else:  # every logical expert on exactly the ranks the placement gave it
-        from ..interop import expert_devices
+        from ..tools.interop import expert_devices
 
         same = np.array_equal(back.expert_devices(), expert_devices(
             np.asarray(placement.physical_to_logical()), placement.ep_size, placement.num_experts))
@@ -66,7 +66,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from ..report import build_report
+    from ..evaluation.report import build_report
 
     result = build_report(args.from_dir, args.out)
     print(f"report: {result['html']} with {len(result['figures'])} figure(s)")
@@ -81,10 +81,10 @@ def cmd_report(args) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``import``, ``export`` and ``report``."""
-    from ..interop import EXPORT_FORMATS
+    from ..tools.interop import EXPORT_FORMATS
 
     p = sub.add_parser("import", help="routing recorded by vLLM (routed experts) or SGLang (per_token dumps) → trace")
-    p.add_argument("paths", nargs="+", help="vLLM: one file saved by vllm_semmoe.interop.save_vllm_routed_experts; "
+    p.add_argument("paths", nargs="+", help="vLLM: one file saved by vllm_semmoe.tools.interop.save_vllm_routed_experts; "
                                            "SGLang: expert_distribution_recorder_*.pt files or their directory")
     p.add_argument("--format", choices=("auto", "vllm", "sglang"), default="auto",
                    help="what the files are (default: detected from their content)")

@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from ..modes import MODES, ServingMode
+from ..core.modes import MODES, ServingMode
 from .output import (Progress, add_json_argument, add_redundant_argument, cell, non_negative_int, positive_int,
                      write_json)
 
@@ -24,7 +24,7 @@ DP_LAR_COLUMNS = ("lar", "lar_least_loaded", "lar_round_robin", "lar_sglang_tota
 
 def method_names() -> tuple[str, ...]:
     """The placement methods the CLI accepts: exactly the policy registry's names."""
-    from ..policy import POLICIES
+    from ..core.policy import POLICIES
 
     return tuple(POLICIES)
 
@@ -44,8 +44,8 @@ def method_list(value: str) -> list[str]:
 
 def load_split(args):
     """(profile, evaluation) traces from ``--profile/--eval`` or ``--profile-frac/--seed``."""
-    from ..trace import check_fit
-    from ..capture_store import load_trace
+    from ..core.trace import check_fit
+    from ..core.capture_store import load_trace
 
     profile = load_trace(args.profile)
     if args.eval:
@@ -61,18 +61,18 @@ def load_split(args):
 
 def add_tuning_argument(p) -> None:
     """``--hold-out-tuning`` (default) / ``--no-hold-out-tuning`` of a command that splits a trace."""
-    from ..trace import TUNING_FRAC
+    from ..core.trace import TUNING_FRAC
 
     p.add_argument("--hold-out-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help=f"split only the requests outside the tuning split ({TUNING_FRAC * 100:.0f}%% of the trace's "
                         "requests, fixed; the knobs were chosen on it), so no figure is measured on them "
-                        "(default: on; the rule: vllm_semmoe.trace.TUNING_FRAC)")
+                        "(default: on; the rule: vllm_semmoe.core.trace.TUNING_FRAC)")
 
 
 # ---- analyze -----------------------------------------------------------------------------------
 def cmd_analyze(args) -> int:
-    from ..affinity import affinity_report
-    from ..capture_store import load_trace
+    from ..core.affinity import affinity_report
+    from ..core.capture_store import load_trace
 
     reports = {}
     for path in args.trace:
@@ -108,7 +108,7 @@ def format_affinity_comparison(reports: list[dict]) -> str:
 
 
 def format_affinity_table(report: dict) -> str:
-    """Plain-text table of :func:`vllm_semmoe.affinity.affinity_report` (p25/p50/p75)."""
+    """Plain-text table of :func:`vllm_semmoe.core.affinity.affinity_report` (p25/p50/p75)."""
     lines = [
         f"{report.get('trace', '')}: {report['tokens_considered']} tokens seen >= {report['min_count']} times "
         f"({report['token_share']:.1%} of token occurrences); p25 / p50 / p75 over those tokens",
@@ -122,9 +122,9 @@ def format_affinity_table(report: dict) -> str:
 
 # ---- solve -------------------------------------------------------------------------------------
 def cmd_solve(args) -> int:
-    from ..policy import get_policy
-    from ..tables import build_tables
-    from ..capture_store import load_trace
+    from ..core.policy import get_policy
+    from ..core.tables import build_tables
+    from ..core.capture_store import load_trace
 
     trace = load_trace(args.trace)
     embedding = _embedding(args, [(f"--trace {args.trace}", trace)])
@@ -158,11 +158,11 @@ def cmd_solve(args) -> int:
 
 
 def solve_for_time_target(args, profile):
-    """``solve --objective time``: the placement :mod:`vllm_semmoe.time_objective` picks for the
+    """``solve --objective time``: the placement :mod:`vllm_semmoe.evaluation.time_objective` picks for the
     target (``--hardware``, ``--batch-tokens``, ``--hidden`` / ``--expert-intermediate``), and one
     line saying which variant won, every candidate's modelled time and how to serve it."""
-    from ..cost_model import MoEShape
-    from ..time_objective import SCHEDULED, Target, solve_for_time
+    from ..evaluation.cost_model import MoEShape
+    from ..evaluation.time_objective import SCHEDULED, Target, solve_for_time
 
     if args.method != "semmoe":
         raise SystemExit(f"semmoe: --objective time chooses among Sem-MoE's variants; drop --method {args.method}")
@@ -178,8 +178,8 @@ def solve_for_time_target(args, profile):
 def placement_from_file(args, profile):
     """``solve --placement FILE``: an engine's static layout (what ``semmoe export`` writes, or
     SGLang's / vLLM's own EPLB output) instead of a solver's, checked against the trace's shape."""
-    from ..interop import load_placement_file
-    from ..trace import check_fit
+    from ..tools.interop import load_placement_file
+    from ..core.trace import check_fit
 
     loaded = load_placement_file(args.placement, args.ep, dense_layers=args.dense_layers)
     check_fit(profile, loaded, names=(f"--trace {args.trace}", f"--placement {args.placement}"),
@@ -210,7 +210,7 @@ def float_list(value: str) -> list[float]:
 def cmd_eval(args) -> int:
     from dataclasses import replace
 
-    from ..evaluate import EvalConfig, aggregate_seeds, compare_methods
+    from ..evaluation.evaluate import EvalConfig, aggregate_seeds, compare_methods
 
     if args.seeds and args.eval:
         raise SystemExit("semmoe: --seeds re-splits --profile per seed; it cannot be used with --eval")
@@ -261,7 +261,7 @@ def _embedding(args, traces=()):
     ``traces`` (``(name, trace)`` pairs) by :func:`check_embedding_fit`."""
     if not getattr(args, "oov_neighbours", None):
         return None
-    from ..affinity import checkpoint_embedding
+    from ..core.affinity import checkpoint_embedding
 
     embedding = checkpoint_embedding(args.oov_neighbours)
     check_embedding_fit(embedding, args, traces)
@@ -271,7 +271,7 @@ def _embedding(args, traces=()):
 def check_embedding_fit(embedding, args, traces) -> None:
     """Every trace's token ids have a row in the ``--oov-neighbours`` checkpoint's embedding;
     ``traces``: ``(name, trace)`` pairs."""
-    from ..trace import check_fit
+    from ..core.trace import check_fit
 
     for name, trace in traces:
         check_fit(trace, embedding, names=(name, f"--oov-neighbours {args.oov_neighbours}"),
@@ -282,7 +282,7 @@ def _dp_curve(profile, trace, args, config, seed) -> dict:
     """Sem-MoE's DP LAR and balance for every knob value of ``--dp-balance-curve`` (one solve)."""
     from dataclasses import replace
 
-    from ..evaluate import compare_methods
+    from ..evaluation.evaluate import compare_methods
 
     solved = {}
 
@@ -320,7 +320,7 @@ def format_eval_table(rows: dict, args, profile, trace) -> str:
                 f"{profile.num_tokens} tokens, evaluation {trace.num_requests} requests / {trace.num_tokens} tokens")
     if getattr(args, "redundant", 0):
         head += f"; {args.redundant} redundant slot(s) per device where the method replicates"
-    from ..capture_store import coverage_text
+    from ..core.capture_store import coverage_text
 
     head += f"\nrouting coverage: profile {coverage_text(profile)}; evaluation {coverage_text(trace)}"
     if hasattr(args, "hold_out_tuning") and not getattr(args, "eval", None):
@@ -367,7 +367,7 @@ def format_curve(curve: dict) -> str:
 # ---- parsers -----------------------------------------------------------------------------------
 def add_parsers(sub) -> None:
     """Register ``analyze``, ``solve`` and ``eval`` on the ``semmoe`` sub-parser set."""
-    from ..schedulers import DEFAULT_DP_BALANCE, DEFAULT_DP_PRICE_STEP
+    from ..core.schedulers import DEFAULT_DP_BALANCE, DEFAULT_DP_PRICE_STEP
 
     methods = method_names()
 
@@ -399,7 +399,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--objective", choices=("locality", "time"), default="locality",
                    help="locality: the paper's co-clustering (default); time: of Sem-MoE's variants and the "
                         "balanced fallbacks, the one with the least modelled MoE-layer step time on the "
-                        "target below (vllm_semmoe.time_objective)")
+                        "target below (vllm_semmoe.evaluation.time_objective)")
     p.add_argument("--hardware", default="deepep-normal-1node",
                    help="--objective time: hardware set of the cost model (see `semmoe cost --hardware`)")
     p.add_argument("--batch-tokens", type=positive_int, default=4096,

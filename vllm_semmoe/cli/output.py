@@ -46,8 +46,8 @@ def add_redundant_argument(parser, several: bool = False) -> None:
 
 def add_sample_argument(parser) -> None:
     """Declare ``--sample head|spread``: which steps ``--max-batches`` keeps
-    (:func:`vllm_semmoe.bench_ep.plan.sample_steps`)."""
-    from ..bench_ep.plan import SAMPLES
+    (:func:`vllm_semmoe.core.schedulers.sample_steps`)."""
+    from ..core.schedulers import SAMPLES
 
     parser.add_argument("--sample", choices=SAMPLES, default="head",
                         help="with --max-batches: the first steps of the evaluation stream (head, default) "

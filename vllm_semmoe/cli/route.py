@@ -5,7 +5,7 @@
 
 Prints every DP rank, best first, with its score (the prompt's predicted local expert
 activations on the rank less the price of the rank's in-flight work;
-:func:`vllm_semmoe.route.rank_dp_ranks`), and the ``X-data-parallel-rank`` header that pins the
+:func:`vllm_semmoe.core.route.rank_dp_ranks`), and the ``X-data-parallel-rank`` header that pins the
 request to the best rank on a vLLM API server. ``--json`` alone writes only the JSON, to stdout.
 No vLLM is needed (``--prompt`` needs ``transformers`` for the tokenizer).
 """
@@ -50,9 +50,9 @@ def prompt_token_ids(prompt: str, tokenizer: str) -> list[int]:
 
 
 def cmd_route(args) -> int:
-    from ..modes import ServingMode
-    from ..route import rank_dp_ranks
-    from ..tables import load_tables
+    from ..core.modes import ServingMode
+    from ..core.route import rank_dp_ranks
+    from ..core.tables import load_tables
 
     if (args.prompt is None) == (args.token_ids is None):
         raise SystemExit("semmoe: error: give the request as --prompt TEXT (with --tokenizer MODEL) or as "
@@ -81,7 +81,7 @@ def cmd_route(args) -> int:
 
 def add_parsers(sub) -> None:
     """Register ``route`` on the ``semmoe`` sub-parser set."""
-    from ..scheduling import DEFAULT_DECODE_WEIGHT, DEFAULT_DP_BALANCE
+    from ..core.scheduling import DEFAULT_DECODE_WEIGHT, DEFAULT_DP_BALANCE
 
     p = sub.add_parser("route", help="Sem-MoE's DP rank choice for one request (for a router outside vLLM)",
                        description="Score every DP rank for one request as Sem-MoE's DP router does (the "

@@ -20,7 +20,7 @@ def serve_parser():
     their names, types, defaults and help."""
     import argparse
 
-    from ..modes import DISPATCHES, ENGINE_MODES
+    from ..core.modes import DISPATCHES, ENGINE_MODES
     from ..vllm_adapter.config import SemMoEConfig
     from .output import DefaultsHelpFormatter
 
@@ -67,7 +67,7 @@ def _default_model() -> str:
 
 
 def cmd_profile(args, engine_args: dict | None = None) -> int:
-    from ..vllm_adapter.profiling import profile
+    from ..tools.profiling import profile
 
     summary = profile(args.model or _default_model(), args.dataset, args.num_prompts, args.out, skip=args.skip,
                       max_tokens=args.max_tokens, max_model_len=args.max_model_len, tables=args.tables,
@@ -108,8 +108,8 @@ def cmd_profile_argv(argv: list[str]) -> int:
     profile options are semmoe's, every other option goes to vLLM's engine (like ``semmoe serve``)."""
     import argparse
 
-    from ..tables import TablesError
-    from ..trace import TraceError
+    from ..core.tables import TablesError
+    from ..core.trace import TraceError
     from ..vllm_adapter.config import SemMoEConfigError
 
     from .output import DefaultsHelpFormatter
@@ -147,8 +147,8 @@ def model_num_experts(model: str) -> int | None:
 
 
 def cmd_demo(args) -> int:
-    from ..placement import check_ep_size
-    from ..vllm_adapter.workflows import demo
+    from ..core.placement import check_ep_size
+    from ..tools.workflows import demo
 
     experts = model_num_experts(args.model or _default_model())
     if experts is not None:  # before minutes of profiling, not at the solve
@@ -185,8 +185,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from ..policy import POLICIES as POLICY_CLASSES
-    from ..vllm_adapter.bench_serve import (POLICIES, REPEAT_KEYS, TP_POLICIES, aggregate_repeats, repeat_schedule,
+    from ..core.policy import POLICIES as POLICY_CLASSES
+    from ..tools.bench_serve import (POLICIES, REPEAT_KEYS, TP_POLICIES, aggregate_repeats, repeat_schedule,
                                             run_bench_serve, run_problems)
 
     if args.tp > 1 and args.dp is not None:
@@ -308,7 +308,7 @@ def serve_command(argv: list[str]) -> list[str]:
 def cmd_serve(argv: list[str]) -> int:
     """Replace this process by ``vllm serve`` (the arguments are passed through, not parsed here)
     run by :func:`run_vllm_serve`; ``--help`` prints the semmoe options and points to vLLM's."""
-    from ..vllm_adapter.engine import cpu_defaults
+    from ..tools.engine import cpu_defaults
 
     if any(a in ("-h", "--help") for a in argv):
         serve_parser().print_help()

@@ -4,7 +4,7 @@
 set, vLLM loads only the general plugins it names, so the ``semmoe`` entry point stays out), runs one
 in-process vLLM engine per requested run, one after another, and returns each run's greedy
 token ids and the *logical* routing of every token it computed, as a
-:class:`~vllm_semmoe.trace.RoutingTrace` with the prompts in order. The process imports nothing
+:class:`~vllm_semmoe.core.trace.RoutingTrace` with the prompts in order. The process imports nothing
 of this package, and checks that no ``vllm_semmoe`` module was loaded in it.
 
 The routing is read by the process's own hooks, not the plugin's: every vLLM router calls its
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..trace import RoutingTrace
+from ..core.trace import RoutingTrace
 from .processes import log_tail, run_logged
 
 #: run in a fresh interpreter; imports vLLM, torch and numpy only
@@ -166,9 +166,9 @@ class PluginFreeRun:
 
 def plugin_free_env(**extra: str) -> dict[str, str]:
     """The environment of a process that runs vLLM without this plugin: this one's, with the
-    defaults of :func:`~vllm_semmoe.vllm_adapter.engine.cpu_defaults` where unset (so it shares
+    defaults of :func:`~vllm_semmoe.tools.engine.cpu_defaults` where unset (so it shares
     vLLM's caches with the engines this process runs), ``VLLM_PLUGINS=""`` and ``extra``."""
-    from ..vllm_adapter.engine import default_cache_root
+    from ..tools.engine import default_cache_root
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -183,11 +183,11 @@ def plugin_free_runs(runs: dict[str, dict], workdir: str | os.PathLike, *,
     """Run ``runs`` in one process with the plugin not loaded; name -> :class:`PluginFreeRun`.
 
     Each run: ``model``, ``dtype``, ``max_model_len``, ``max_tokens``, and ``prompts`` (texts,
-    tokenised and left-truncated as :func:`vllm_semmoe.vllm_adapter.engine.fit_prompts` does) or
+    tokenised and left-truncated as :func:`vllm_semmoe.tools.engine.fit_prompts` does) or
     ``prompt_token_ids``; optional ``one_at_a_time`` (one request per ``generate`` call, so every
     step's batch is that request alone) and ``env`` (variables set while that engine runs, e.g.
     ``VLLM_MLA_DISABLE``). Engines run eager, prefix caching off, greedy, as
-    :func:`~vllm_semmoe.vllm_adapter.engine.make_llm` runs them. Raises ``RuntimeError`` with the
+    :func:`~vllm_semmoe.tools.engine.make_llm` runs them. Raises ``RuntimeError`` with the
     process's log tail when it fails or runs past ``timeout`` seconds.
     """
     workdir = Path(workdir)

@@ -5,7 +5,7 @@ which bypass ``_model_forward``): which request each token belongs to, its posit
 and the top-k expert ids every MoE layer chose for it. Routers report *logical* expert ids
 (vLLM's capture hook runs before the logical → physical map, and the placement is applied
 after it; see :mod:`.replacement`). When the step's forward pass ends the recorder appends the
-step to this engine's segment of the durable capture (:mod:`vllm_semmoe.capture_store`): the
+step to this engine's segment of the durable capture (:mod:`vllm_semmoe.core.capture_store`): the
 capture survives any way the engine stops, and the recorder keeps no history beyond one small
 record per live request (the positions it has covered, for coverage below). For live LAR,
 steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
@@ -16,7 +16,7 @@ Coverage: a request's first step need not start at position 0 (vLLM's prefix cac
 leading tokens another request computed; a KV connector loads them), and then no MoE layer routes
 those tokens. The recorder notes, per live request, the positions computed so far; positions a
 step skips over are written to the capture with their token ids, marked as not routed
-(:mod:`vllm_semmoe.capture_store` format 2), and counted (:meth:`RoutingRecorder.coverage`). A
+(:mod:`vllm_semmoe.core.capture_store` format 2), and counted (:meth:`RoutingRecorder.coverage`). A
 request's tokens here are the positions of its KV cache: its prompt and every generated token fed
 back (not the last token sampled, which no forward step takes as input).
 """
@@ -30,9 +30,9 @@ import os
 import numpy as np
 import torch
 
-from ..capture_store import SegmentWriter
-from ..placement import Placement
-from ..trace import RoutingTrace
+from ..core.capture_store import SegmentWriter
+from ..core.placement import Placement
+from ..core.trace import RoutingTrace
 
 logger = logging.getLogger("vllm.semmoe")
 
@@ -49,10 +49,10 @@ class RoutingRecorder:
         placement: the placement applied at load time (``None``: physical = logical ids); only
             the live DP counters use it (to tell which rank's slots an activation hit).
         token_device: the device whose copies the routers prefer (replicas,
-            :meth:`~vllm_semmoe.placement.Placement.device_map`; ``None``: home copies).
+            :meth:`~vllm_semmoe.core.placement.Placement.device_map`; ``None``: home copies).
         vocab: token strings (index = token id) and ``vocab_size``.
 
-    ``store`` (a :class:`~vllm_semmoe.capture_store.SegmentWriter`, set by :meth:`open_store`)
+    ``store`` (a :class:`~vllm_semmoe.core.capture_store.SegmentWriter`, set by :meth:`open_store`)
     receives every step as it ends; ``meter`` (a :class:`ReplayMeter`) replays them through the offline evaluator.
     """
 
@@ -239,7 +239,7 @@ class ReplayMeter:
     ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
     expert sits on one of them. Otherwise tokens are scheduled per forward step with Sem-MoE's
     TP scheduler when the tables are Sem-MoE's, else with the default contiguous slices (what
-    vLLM does), exactly as :func:`vllm_semmoe.evaluate.evaluate` does for an offline trace with
+    vLLM does), exactly as :func:`vllm_semmoe.evaluation.evaluate.evaluate` does for an offline trace with
     one batch per step; the figures equal ``evaluate`` on all steps at once.
     """
 
@@ -254,8 +254,8 @@ class ReplayMeter:
 
     def add(self, tokens: np.ndarray, experts: np.ndarray, step_lengths: list[int]) -> None:
         """tokens ``[n]``, experts ``[n, L, K]`` logical ids, step_lengths: tokens per step."""
-        from ..evaluate import EvalConfig, evaluate
-        from ..tables import device_counts
+        from ..evaluation.evaluate import EvalConfig, evaluate
+        from ..core.tables import device_counts
 
         tables = self.tables
         n, L, K = experts.shape

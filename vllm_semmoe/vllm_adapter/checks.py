@@ -27,7 +27,7 @@ def check_engine_config(config, vllm_config) -> None:
 def check_layout(config, vllm_config) -> None:
     """Raise :class:`SemMoEConfigError` for a parallel layout ``config.mode`` (or
     ``config.dispatch``) does not support, and warn of one it gains little on; the rules are the
-    mode's (:meth:`vllm_semmoe.modes.Mode.check_layout`, :meth:`~vllm_semmoe.modes.Mode.layout_warning`)."""
+    mode's (:meth:`vllm_semmoe.core.modes.Mode.check_layout`, :meth:`~vllm_semmoe.core.modes.Mode.layout_warning`)."""
     from .config import layout_of, refusals
 
     layout = layout_of(vllm_config.parallel_config)

@@ -8,12 +8,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .. import scheduling
-from ..modes import DISPATCHES, Layout, Mode, ModeError, engine_mode
-from ..tables import SemMoETables, TablesError, load_tables
+from ..core import scheduling
+from ..core.modes import DISPATCHES, Layout, Mode, ModeError, engine_mode
+from ..core.tables import SemMoETables, TablesError, load_tables
 
 #: the engine mode that applies the placement and schedules no data (the engine modes, the MoE
-#: dispatches and their rules: :mod:`vllm_semmoe.modes`)
+#: dispatches and their rules: :mod:`vllm_semmoe.core.modes`)
 PLACEMENT_ONLY = Mode.PLACEMENT_ONLY
 KEYS = ("tables", "capture", "mode", "dispatch", "dp_balance", "dp_price_step", "dp_decode_weight", "dp_slack")
 #: keys of earlier versions -> what replaced them
@@ -31,9 +31,9 @@ class SemMoEConfig:
     Attributes:
         tables: directory written by ``semmoe solve`` (``None``: no re-placement).
         capture: path ``X.npz`` of the routing capture (``None``: no capture). Engines append
-            every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.capture_store`);
-            :func:`vllm_semmoe.capture_store.load_trace` reads it as one trace.
-        mode: the engine mode, a :class:`~vllm_semmoe.modes.Mode` (a name given is looked up):
+            every step to ``X.npz.parts/`` as it ends (:mod:`vllm_semmoe.core.capture_store`);
+            :func:`vllm_semmoe.core.capture_store.load_trace` reads it as one trace.
+        mode: the engine mode, a :class:`~vllm_semmoe.core.modes.Mode` (a name given is looked up):
             ``placement-only`` (apply the placement), ``tp`` or ``dp`` (also schedule data the
             Sem-MoE way and meter live LAR accordingly).
         dispatch: ``sparse`` or ``vllm`` (see :data:`DISPATCHES`); ``None``: ``sparse`` in mode
@@ -125,7 +125,7 @@ class SemMoEConfig:
 
     def resolved_dispatch(self, parallel_config) -> str | None:
         """The dispatch the engine runs: ``sparse``, ``vllm``, or ``None`` when the layout has no
-        DP + EP dispatch at all (DP 1 or no expert parallelism); :meth:`~vllm_semmoe.modes.Mode.dispatch`."""
+        DP + EP dispatch at all (DP 1 or no expert parallelism); :meth:`~vllm_semmoe.core.modes.Mode.dispatch`."""
         return self.mode.dispatch(layout_of(parallel_config), self.dispatch)
 
     def read_tables(self) -> SemMoETables | None:
@@ -171,7 +171,7 @@ def _tables_error(exc: TablesError) -> SemMoEConfigError:
 
 @contextlib.contextmanager
 def refusals():
-    """Raise a :class:`~vllm_semmoe.modes.ModeError` from the mode rules as the plugin's
+    """Raise a :class:`~vllm_semmoe.core.modes.ModeError` from the mode rules as the plugin's
     :class:`SemMoEConfigError` (same message)."""
     try:
         yield
@@ -180,7 +180,7 @@ def refusals():
 
 
 def layout_of(parallel_config) -> Layout:
-    """The :class:`~vllm_semmoe.modes.Layout` vLLM's ``ParallelConfig`` (or any object with its
+    """The :class:`~vllm_semmoe.core.modes.Layout` vLLM's ``ParallelConfig`` (or any object with its
     attribute names; absent optional ones read as off / 1) states."""
     p = parallel_config
     return Layout(tp=int(p.tensor_parallel_size), dp=int(p.data_parallel_size),
@@ -195,7 +195,7 @@ def replica_token_device(tables: SemMoETables | None, mode, parallel_config, ep_
     """The placement device whose copies this engine's routers prefer: its EP rank when the
     tables hold replica slots, ``None`` (home copies) without them; refuses (as
     :class:`SemMoEConfigError`) the layouts where replicas cannot serve:
-    :meth:`~vllm_semmoe.modes.Mode.replica_device`."""
+    :meth:`~vllm_semmoe.core.modes.Mode.replica_device`."""
     R = tables.placement.redundant if tables is not None else 0
     with refusals():
         return engine_mode(mode).replica_device(layout_of(parallel_config), R, ep_rank)

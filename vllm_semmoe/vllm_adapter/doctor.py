@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..modes import ServingMode
+from ..core.modes import ServingMode
 from . import compat
 from .config import PLACEMENT_ONLY
 

@@ -2,7 +2,7 @@
 
 Runs in the API server process, in vLLM's DP load balancer
 (``DPLBAsyncMPClient.get_core_engine_for_request``). The decision is
-:func:`vllm_semmoe.scheduling.dp_choose_balanced`, the rule the offline evaluation measures
+:func:`vllm_semmoe.core.scheduling.dp_choose_balanced`, the rule the offline evaluation measures
 (``window_imbalance``): the prompt's T2D votes against per-rank prices learned from the work this
 router sent each rank, and each rank's in-flight work. This module gathers its inputs, keeps
 the prices and per-rank counters.
@@ -23,9 +23,9 @@ import math
 
 import numpy as np
 
-from .. import scheduling
-from ..route import dp_rank_votes
-from ..tables import SemMoETables
+from ..core import scheduling
+from ..core.route import dp_rank_votes
+from ..core.tables import SemMoETables
 
 logger = logging.getLogger("vllm.semmoe")
 
@@ -64,7 +64,7 @@ class DpRouter:
 
     def votes(self, prompt_token_ids) -> np.ndarray:
         """``[num_ranks]`` predicted local activations of the prompt on each DP rank
-        (:func:`vllm_semmoe.route.dp_rank_votes`, what ``semmoe route`` scores too)."""
+        (:func:`vllm_semmoe.core.route.dp_rank_votes`, what ``semmoe route`` scores too)."""
         return dp_rank_votes(self.tables, prompt_token_ids, self.num_ranks, t2d_score=self.t2d)
 
     @property

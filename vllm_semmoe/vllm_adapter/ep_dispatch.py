@@ -10,7 +10,7 @@ run on all of them, ``finalize`` reduce-scatters the partial sums back. Every to
 everywhere, wherever its experts are: a higher local activation rate saves nothing.
 
 :class:`SparsePrepareAndFinalize` is that stage with the project's EP exchange
-(:mod:`vllm_semmoe.ep_exchange`): ``prepare`` sends each token once to every other rank holding
+(:mod:`vllm_semmoe.kernels.ep_exchange`): ``prepare`` sends each token once to every other rank holding
 one of its experts (uneven all-to-all) and hands the experts this rank's own tokens followed by
 the received ones; ``finalize`` returns the received rows' partial sums to their home rank and
 adds them to the local ones. The layer's result is the same sum of the same expert outputs.
@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..ep_exchange import EpExchange, send_plan
+from ..kernels.ep_exchange import EpExchange, send_plan
 from . import compat
 
 logger = logging.getLogger("vllm.semmoe")
@@ -57,7 +57,7 @@ logger = logging.getLogger("vllm.semmoe")
 #: the byte counters, per engine (``<op>_bytes``: the ``op`` label of the exported metric)
 BYTE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes", "allreduce_bytes", "reduce_scatter_bytes",
              "allgather_bytes")
-#: the exchange's own counters (:class:`~vllm_semmoe.ep_exchange.ExchangeCounters`)
+#: the exchange's own counters (:class:`~vllm_semmoe.kernels.ep_exchange.ExchangeCounters`)
 EXCHANGE_KEYS = ("dispatch_bytes", "combine_bytes", "metadata_bytes")
 
 
@@ -67,7 +67,7 @@ def routed_exchange(forward_modular, x_my: torch.Tensor, weights: torch.Tensor, 
     ``[m, K]``, gate ``weights`` ``[m, K]``), over the EP ``group``.
 
     Local activations are computed here; each token is sent once to every other rank holding
-    one of its experts (:func:`vllm_semmoe.ep_exchange.send_plan`, uneven all-to-all),
+    one of its experts (:func:`vllm_semmoe.kernels.ep_exchange.send_plan`, uneven all-to-all),
     computed there, and the partial sums are sent back and added. ``forward_modular`` is
     vLLM's ``RoutedExperts.forward_modular`` of this layer (this rank's experts; rows whose
     experts are elsewhere contribute zero). Every rank of ``group`` must call this once per

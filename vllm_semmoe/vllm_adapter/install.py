@@ -12,7 +12,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING
 
-from ..modes import TP_SHUFFLE
+from ..core.modes import TP_SHUFFLE
 from . import compat
 from .recording import flush_at_exit, make_recorder
 from .state import EngineState, register_state
@@ -20,7 +20,7 @@ from .state import EngineState, register_state
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ..tables import SemMoETables
+    from ..core.tables import SemMoETables
     from .config import SemMoEConfig
 
 logger = logging.getLogger("vllm.semmoe")
@@ -126,7 +126,7 @@ def warm_up_scheduler(tables: SemMoETables, ep_size: int) -> None:
     """Compile the Numba TP scheduler now (types of the real calls), not in the first step."""
     import numpy as np
 
-    from .. import scheduling
+    from ..core import scheduling
     from .state import new_moe_counters
     from .tp_shuffle import StepContext, TpShuffleLayer
 

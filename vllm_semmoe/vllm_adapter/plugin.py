@@ -38,7 +38,7 @@ import functools
 import logging
 import warnings
 
-from ..modes import ServingMode
+from ..core.modes import ServingMode
 from . import compat
 from .checks import check_engine_config
 from .install import build_state, replica_slots

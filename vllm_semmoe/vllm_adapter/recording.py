@@ -2,7 +2,7 @@
 step it records, where its files go, and writing them out.
 
 The recorder itself (:class:`~.capture.RoutingRecorder`), the live counters and the replay meter
-are in :mod:`.capture`; the on-disk layout in :mod:`vllm_semmoe.capture_store`.
+are in :mod:`.capture`; the on-disk layout in :mod:`vllm_semmoe.core.capture_store`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ physical layout, ``N + E*R`` slots (:func:`.compat.redundant_expert_slots`), and
 per rank: a router maps each activation to this rank's own copy where it holds one, else to a
 copy on a rank the token is sent to anyway, else to one spread over the copies
 (:class:`PhysicalIds`; the rule the offline evaluation and ``bench-ep`` count,
-:meth:`~vllm_semmoe.placement.Placement.serving_device`). That is exact wherever
+:meth:`~vllm_semmoe.core.placement.Placement.serving_device`). That is exact wherever
 every rank maps only the tokens it serves (DP ranks route their own requests; the TP shuffle
 computes only its scheduled tokens): each activation then names exactly one slot. The
 checkpoint's expert ``e`` is loaded into every slot holding a copy of ``e``.
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..placement import Placement
-from ..placement_torch import serving_slots
+from ..core.placement import Placement
+from ..kernels.placement_torch import serving_slots
 from . import compat
 from .config import SemMoEConfigError
 
@@ -111,10 +111,10 @@ class PhysicalIds:
 
     Without replicas every logical expert has one slot, ``l2p[e]``. With replicas (``copies``:
     ``[N, C]`` slots of each expert's copies, this layer's
-    :meth:`~vllm_semmoe.placement.Placement.logical_to_physical_map`) the slot is chosen per
+    :meth:`~vllm_semmoe.core.placement.Placement.logical_to_physical_map`) the slot is chosen per
     activation for tokens on ``device`` by the rule the offline evaluation counts
-    (:func:`vllm_semmoe.placement_torch.serving_slots`, property-tested equal to
-    :meth:`~vllm_semmoe.placement.Placement.serving_device`): the rank's own copy, else a copy
+    (:func:`vllm_semmoe.kernels.placement_torch.serving_slots`, property-tested equal to
+    :meth:`~vllm_semmoe.core.placement.Placement.serving_device`): the rank's own copy, else a copy
     on a rank the token is sent to anyway, else one spread over the copies. Ids outside
     ``[0, N)`` (none in the routers vLLM 0.32 ships, but a sentinel is cheap to keep) pass
     through unchanged.

@@ -32,8 +32,8 @@ import numpy as np
 if TYPE_CHECKING:  # for the annotations: at run time the state needs none of these modules
     import torch
 
-    from ..modes import Layout
-    from ..tables import SemMoETables
+    from ..core.modes import Layout
+    from ..core.tables import SemMoETables
     from .capture import RoutingRecorder
     from .config import SemMoEConfig
     from .dp_routing import DpRouter
@@ -59,12 +59,12 @@ class EngineState:
 
     Attributes:
         config: the validated :class:`~.config.SemMoEConfig`.
-        layout: the engine's parallel layout (:class:`~vllm_semmoe.modes.Layout`).
+        layout: the engine's parallel layout (:class:`~vllm_semmoe.core.modes.Layout`).
         dp_rank: this engine's data-parallel rank.
         ep_size: the number of expert-parallel ranks (1: no expert parallelism).
         tables: the loaded Sem-MoE tables (``None``: capture only).
         token_device: the placement device (EP rank) whose copies this engine's routers prefer
-            for the tokens they route (:meth:`~vllm_semmoe.placement.Placement.device_map`):
+            for the tokens they route (:meth:`~vllm_semmoe.core.placement.Placement.device_map`):
             this EP rank when the tables hold replicas, ``None`` (home copies) otherwise.
         recorder: the routing recorder (``None``: this engine does not record).
         tp_layers: MoE layer name -> :class:`~.tp_shuffle.TpShuffleLayer` (``tp`` mode).

@@ -3,7 +3,7 @@
 In vLLM's TP + expert-parallel MoE every rank runs its local experts for *all* B tokens and
 the partial outputs are all-reduced. Here instead, per MoE layer and forward step:
 
-1. all ranks compute the same schedule (:func:`vllm_semmoe.scheduling.tp_schedule` with the
+1. all ranks compute the same schedule (:func:`vllm_semmoe.core.scheduling.tp_schedule` with the
    Sem-MoE tables, or contiguous equal slices for other tables), i.e. the SRS permutation;
 2. rank ``r`` owns its ``ceil(B/E)`` scheduled tokens;
 3. activations whose expert is on this rank are computed here; every token is sent once to
@@ -38,8 +38,8 @@ import torch
 
 from csrc_triton import sag_unpack, srs_pack
 
-from .. import scheduling
-from ..tables import SemMoETables
+from ..core import scheduling
+from ..core.tables import SemMoETables
 from . import compat
 from .ep_dispatch import comm_for, routed_exchange
 
@@ -146,7 +146,7 @@ class TpShuffleLayer:
 
     def _schedule_on_device(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device):
         """:meth:`schedule` in PyTorch ops on ``device`` (index tensors returned there)."""
-        from .. import scheduling_torch
+        from ..kernels import scheduling_torch
 
         tables = self._device_tables.get(device)
         if tables is None:

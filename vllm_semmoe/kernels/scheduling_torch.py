@@ -1,0 +1,154 @@
+"""The Attention-TP decision of :mod:`vllm_semmoe.core.scheduling` in PyTorch ops, for tensors that
+live on an accelerator: the same device per token and the same permutation as the Numba code
+(property-tested), computed where the activations are, without copying the batch to the host.
+
+For the A-table rule (:func:`tp_layer_scores`) operation order and precision follow the Numba
+functions (float32 products, float64 sums and prices, first index on ties), so the results are
+identical, not merely close. The X-table rule (:func:`tp_expert_scores`) takes logarithms and
+exponentials, which PyTorch and Numba round differently in the last bits: its scores agree to
+float32 rounding, and the decision equals Numba's wherever no two choices are that close
+(property-tested); every rank runs the same implementation on the same inputs, so ranks agree. The price rounds
+run as one Triton kernel on CUDA (:mod:`csrc_triton.align`; as PyTorch ops elsewhere, a fixed
+number of rounds with finished ones masked out); one flag is read after them, and the
+sequential repair step (only when the prices leave a device over capacity) runs on the host in
+Numba.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from csrc_triton import align as align_kernel
+from csrc_triton import shuffle
+
+from ..core.scheduling import COMBINE_PRODUCT, repair_unit, slice_capacity
+
+ROUNDS = 40  # price rounds of :func:`vllm_semmoe.core.scheduling.align`
+
+
+def tp_layer_scores(rows: torch.Tensor, history: torch.Tensor, t2d_layer: torch.Tensor, oov_layer: torch.Tensor,
+                    markov_layer: torch.Tensor, combine: int = COMBINE_PRODUCT) -> torch.Tensor:
+    """``[B, E]`` float32 device scores, as :func:`vllm_semmoe.core.scheduling.tp_layer_scores`.
+
+    Args:
+        rows: ``[B]`` int64 (``-1``: unseen); history: ``[B]`` int64 (``-1``: unknown);
+        t2d_layer: ``[J, E]`` float32; oov_layer: ``[E]`` float32; markov_layer: ``[E*E, E]``.
+    """
+    oov32 = oov_layer.to(torch.float32)
+    base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float32)[rows.clamp_min(0)], oov32[None, :])
+    known = history >= 0
+    markov = markov_layer[history.clamp_min(0)]
+    if combine == COMBINE_PRODUCT:
+        product = (base * markov.to(torch.float32)).to(torch.float64)
+        scaled = (product / oov32.to(torch.float64).clamp_min(1e-9)).to(torch.float32)
+        total = torch.zeros(scaled.shape[0], dtype=torch.float64, device=scaled.device)
+        for e in range(scaled.shape[1]):  # sequential float64 sum, as Numba adds them
+            total = total + scaled[:, e].to(torch.float64)
+        normalised = (scaled.to(torch.float64) / total.clamp_min(1e-30)[:, None]).to(torch.float32)
+        return torch.where(known[:, None], normalised, base)
+    markov32 = markov.to(torch.float32)
+    use_markov = known & (markov32.amax(dim=1) > base.amax(dim=1))
+    return torch.where(use_markov[:, None], markov32, base)
+
+
+def tp_expert_scores(rows: torch.Tensor, prev: torch.Tensor, t2d_layer: torch.Tensor, oov_layer: torch.Tensor,
+                     log_evidence: torch.Tensor, log_prior: torch.Tensor, holds: torch.Tensor,
+                     weights: tuple[float, float, float]) -> torch.Tensor:
+    """``[B, E]`` float32 device scores, as :func:`vllm_semmoe.core.scheduling.tp_expert_scores`.
+
+    Args:
+        rows: ``[B]`` int64 (``-1``: unseen); prev: ``[B, 2, K]`` int64 logical experts at the two
+        previous layers (``-1``: unknown); t2d_layer ``[J, E]``; oov_layer ``[E]``;
+        log_evidence ``[2, N, N]``; log_prior ``[N]``; holds ``[N, E]``; weights: 3 floats.
+    """
+    oov = oov_layer.to(torch.float64)
+    base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float64)[rows.clamp_min(0)], oov[None, :])
+    logs = weights[0] * torch.log(base.clamp_min(1e-9))
+    q = log_prior.to(torch.float64)[None, :].expand(prev.shape[0], -1).clone()
+    evidence = log_evidence.to(torch.float64)
+    for j in range(prev.shape[1]):
+        ids = prev[:, j]  # [B, K]
+        contribution = evidence[j][ids.clamp_min(0)] * (ids >= 0)[:, :, None]  # [B, K, N]
+        q = q + weights[1 + j] * contribution.sum(dim=1)
+    q = torch.exp(q - q.amax(dim=1, keepdim=True))
+    local = (q @ holds.to(torch.float64)) / q.sum(dim=1, keepdim=True)
+    known = (prev >= 0).flatten(1).any(dim=1)
+    logs = logs + known[:, None] * torch.log(local.clamp_min(1e-9) / oov.clamp_min(1e-9)[None, :])
+    return torch.softmax(logs, dim=1).to(torch.float32)
+
+
+def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Tensor:
+    """``[B]`` int64 device per token, at most ``capacity`` each, as :func:`vllm_semmoe.core.scheduling.align`.
+
+    On a CUDA device (or under ``TRITON_INTERPRET=1``) the price rounds run as one Triton kernel
+    (:func:`csrc_triton.align.align_rounds`, one launch); elsewhere as PyTorch ops."""
+    score = scores.to(torch.float64)
+    cap = float(capacity)
+    if shuffle.uses_triton(score):
+        device, load, over = align_kernel.align_rounds(score, capacity, rounds)
+        over = bool(over.item())  # the one host read
+    else:
+        device, load = _align_rounds_torch(score, cap, rounds)
+        over = bool(load.max() > cap)  # the one host read
+    if over:
+        device = _repair(score, device, load, cap)
+    return device
+
+
+def _align_rounds_torch(score: torch.Tensor, cap: float, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The price rounds in PyTorch ops: ``(device [B], load [E])`` of the last round run. A fixed
+    number of rounds with finished ones masked out (no host round trip)."""
+    U, E = score.shape
+    device_ = score.device
+    price = torch.zeros(E, dtype=torch.float64, device=device_)
+    device = torch.zeros(U, dtype=torch.int64, device=device_)
+    load = torch.zeros(E, dtype=torch.float64, device=device_)
+    done = torch.zeros((), dtype=torch.bool, device=device_)
+    step = 0.05 * (score.max() - score.min() + 1e-9)
+    ones = torch.ones(U, dtype=torch.float64, device=device_)
+    for _ in range(rounds):
+        best = torch.argmax(score - price[None, :], dim=1)  # first index on ties, like Numba's strict >
+        new_load = torch.zeros(E, dtype=torch.float64, device=device_).index_add_(0, best, ones)
+        device = torch.where(done, device, best)
+        load = torch.where(done, load, new_load)
+        done = done | (new_load.max() <= cap)
+        updated = torch.clamp_min(price + step * (new_load / cap - 1.0), 0.0)
+        price = torch.where(done, price, updated)
+        step = step * 0.93
+    return device, load
+
+
+def _repair(score, device, load, cap):
+    """The repair is sequential (each move changes the loads): run it on the host, in Numba
+    (:func:`vllm_semmoe.core.scheduling.repair_unit`), on the batches the price rounds leave over
+    capacity (one copy each way)."""
+    fixed = repair_unit(score.cpu().numpy(), device.cpu().numpy().copy(), load.cpu().numpy().copy(), cap)
+    return torch.from_numpy(fixed).to(score.device)
+
+
+def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_token [E*cap], token_slot [B])`` as :func:`vllm_semmoe.core.scheduling.shuffle_permutation`
+    (on CUDA the Triton device-grouping kernel, one launch, unvalidated: ``device`` comes from
+    :func:`align`, at most ``capacity`` per device)."""
+    if shuffle.uses_triton(device):
+        return shuffle.device_grouping(device, ep_size, capacity, validate=False)
+    onehot = torch.nn.functional.one_hot(device, ep_size)
+    fill = onehot.cumsum(dim=0).gather(1, device[:, None]).squeeze(1) - 1  # earlier tokens of the same device
+    token_slot = device * capacity + fill
+    slot_token = torch.full((ep_size * capacity,), -1, dtype=torch.int64, device=device.device)
+    slot_token.scatter_(0, token_slot, torch.arange(len(device), device=device.device))
+    return slot_token, token_slot
+
+
+def tp_decide(scores: torch.Tensor, ep_size: int):
+    """One layer's decision on the scores' device: ``(device [B], slot_token, token_slot)``,
+    as :func:`vllm_semmoe.core.scheduling.tp_decide`."""
+    cap = slice_capacity(int(scores.shape[0]), ep_size)
+    device = align(scores, cap)
+    slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
+    return device, slot_token, token_slot
+
+
+def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int, combine: int = COMBINE_PRODUCT):
+    """:func:`tp_decide` on the A-table rule's scores (:func:`tp_layer_scores`)."""
+    return tp_decide(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), ep_size)
