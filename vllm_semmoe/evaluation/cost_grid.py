@@ -223,7 +223,7 @@ def format_grid(result: dict) -> str:
     lines = [f"cost grid: EP {result['ep']}, {result['layers']} MoE layers, {len(rows)} rows; "
              f"times in {result['unit']}",
              f"{'hardware':<22}{'cal':>4}{'mode':>5}{'batch':>6}{'hidden':>7}  {'vanilla_us':>10}{'semmoe_R':>9}"
-             f"{'variant':>10}{'vs_van':>8}{'vs_eplb':>8}{'stock_tp_x':>11}"]
+             f"{'variant':>10}{'vs_van':>8}{'vs_eplb':>8}{'stock_tp_x':>11}{'bound_x':>8}{'oracle_x':>9}"]
     index = {}
     for r in rows:
         index.setdefault((r["hardware"], r["mode"], r["batch_tokens"], r["hidden"]), []).append(r)
@@ -236,11 +236,14 @@ def format_grid(result: dict) -> str:
         best = min(sem, key=lambda r: r["total_us"])
         eplb = by.get(("eplb", best["redundant"])) or by.get(("eplb", 0))
         stock = by.get(("stock_tp", 0))
+        oracle = min((r["oracle_time_bound_us"] for r in sem if r.get("oracle_time_bound_us") is not None),
+                     default=float("nan"))
         lines.append(f"{hw:<22}{'yes' if HARDWARE[hw].calibrated else 'no':>4}{mode:>5}{batch:>6}{hidden:>7}  "
                      f"{van['total_us']:>10.1f}{best['redundant']:>9}{best.get('variant', ''):>10}"
                      f"{best['total_us'] / van['total_us']:>8.3f}"
                      f"{(best['total_us'] / eplb['total_us']) if eplb else float('nan'):>8.3f}"
-                     f"{(stock['total_us'] / van['total_us']) if stock else float('nan'):>11.3f}")
+                     f"{(stock['total_us'] / van['total_us']) if stock else float('nan'):>11.3f}"
+                     f"{best['time_bound_us'] / van['total_us']:>8.3f}{oracle / van['total_us']:>9.3f}")
     check = semmoe_vs_baselines(rows)
     if check["cells"]:
         lines.append(f"Sem-MoE at every R against vanilla and against EPLB at the same R, calibrated sets: "
