@@ -326,3 +326,32 @@ def test_semmoe_cost_grid_command_writes_flat_rows(dev_trace_path, tmp_path, cap
     assert {r["batch_tokens"] for r in rows} == {128, 4096} and {r["hidden"] for r in rows} == {2048, 7168}
     assert all(set(ROW_KEYS) <= set(r) for r in rows)
     assert "cost grid: EP 8" in capsys.readouterr().out
+
+
+def test_tp_decision_is_the_measured_figure_at_each_measured_size():
+    """The decision times in the model are the H200 file's, read here independently of the
+    constant; between two measured sizes the model stays between their figures."""
+    import json
+    from pathlib import Path
+
+    from vllm_semmoe.evaluation.cost_model import TP_DECISION_US, tp_decision_seconds
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "h200_no_vllm_run4_final_tree.json"
+    measured = {int(k): v["decision_ms"] * 1e3 for k, v in json.loads(path.read_text())["timing_without_vllm"].items()}
+    assert sorted(measured) == sorted(TP_DECISION_US)
+    tokens = np.array(sorted(measured))
+    assert tp_decision_seconds(tokens) * 1e6 == pytest.approx([measured[t] for t in tokens], abs=0.1)
+    between = tp_decision_seconds(np.array([128, 8192])) * 1e6
+    assert measured[64] <= between[0] <= measured[512] and measured[4096] <= between[1] <= measured[16384]
+
+
+def test_tp_decision_counts_in_the_total_only_where_the_layer_decides():
+    traffic = step_traffic(np.zeros((4, 1, 1), np.int64), np.zeros((4, 1), np.int64), np.array([0, 4]), 2)
+    plain = moe_layer_cost(traffic, DSV2_LITE, HARDWARE["1-node-nvlink"], "tp_shuffle", per="layer_step")
+    from vllm_semmoe.evaluation.cost_model import summarize, tp_decision_seconds
+
+    decided = summarize(layer_times(traffic, DSV2_LITE, HARDWARE["1-node-nvlink"], "tp_shuffle", decision=True),
+                        traffic)
+    assert plain["decision_us"] == 0.0
+    assert decided["decision_us"] == pytest.approx(tp_decision_seconds(np.array([4]))[0] * 1e6)
+    assert decided["total_us"] == pytest.approx(plain["total_us"] + decided["decision_us"])

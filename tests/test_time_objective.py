@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_semmoe.evaluation.cost_model import HARDWARE, layer_times, step_traffic, summarize
+from vllm_semmoe.evaluation.cost_model import HARDWARE, layer_times, step_traffic, summarize, tp_decision_seconds
 from vllm_semmoe.core.policy.eplb import served_by_vllm_eplb
 from vllm_semmoe.evaluation.step_time import Target, schedule, serving_devices
 from vllm_semmoe.evaluation.time_objective import VARIANTS, choose, cross_validation_folds, solve_variant
@@ -30,12 +30,16 @@ def choices(profile):
 
 def _time_by_hand(trace, placement, tables, target: Target) -> float:
     """The candidate's modelled step time, counted from the schedule with the cost model's
-    primitives (not through :func:`vllm_semmoe.evaluation.step_time.stream_traffic`)."""
+    primitives (not through :func:`vllm_semmoe.evaluation.step_time.stream_traffic`), plus the
+    measured TP decision of every step where tables schedule the tokens."""
     idx, offsets, device, source = schedule(trace, placement, tables, "tp", target.batch_tokens)
     experts = source.experts[idx].astype(np.int64)
     serving = serving_devices(placement, experts, device, offsets)
     traffic = step_traffic(serving, device, offsets, placement.ep_size, experts=experts, node_groups=(2,))
-    return summarize(layer_times(traffic, target.shape, HARDWARE[target.hardware], "tp_shuffle"), traffic)["total_us"]
+    total = summarize(layer_times(traffic, target.shape, HARDWARE[target.hardware], "tp_shuffle"), traffic)["total_us"]
+    if tables is not None:
+        total += float(np.mean(tp_decision_seconds(np.diff(offsets)))) * 1e6
+    return total
 
 
 def test_each_target_gets_the_fastest_candidate_cross_validated(profile, choices):

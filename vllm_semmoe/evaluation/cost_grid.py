@@ -19,13 +19,15 @@ and ``time_objective`` in the result lists every choice.
 Each cell is one flat row (times in µs per MoE layer per step, the mean over the steps and
 layers of the evaluation stream):
 
-- ``collectives_us``, ``dispatch_us``, ``combine_us``, ``experts_us`` (the straggler rank's),
-  ``total_us`` (their sum), ``experts_mean_us`` (expert work spread evenly);
+- ``decision_us`` (TP rows scheduled with Sem-MoE's tables: the decision as measured on an H200,
+  :data:`.cost_model.TP_DECISION_US`; zero elsewhere), ``collectives_us``, ``dispatch_us``,
+  ``combine_us``, ``experts_us`` (the straggler rank's), ``total_us`` (their sum),
+  ``experts_mean_us`` (expert work spread evenly);
 - ``time_bound_us``: the same per-step totals spread evenly over ranks (the method's own
   locality without a straggler; ``total_us - time_bound_us`` is what the straggler costs);
 - ``oracle_time_bound_us``, ``oracle_lar``: the same placement with each token (TP, per layer)
   or request (DP) on the rank holding most of its experts, spread evenly (the ceiling of data
-  scheduling, :mod:`vllm_semmoe.evaluation.evaluate`'s ``oracle_lar``);
+  scheduling with a free decision, :mod:`vllm_semmoe.evaluation.evaluate`'s ``oracle_lar``);
 - ``time_ratio_vs_vanilla``: ``total_us`` over vanilla's (R = 0) in the same mode, hardware,
   step size and width.
 
@@ -40,7 +42,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from .cost_model import DSV2_LITE, DSV3_WIDTH, HARDWARE, MoEShape, StepTraffic, even_spread, step_traffic
-from .step_time import Target, collectives_for, node_groups, step_cost, stream_traffic
+from .step_time import Target, collectives_for, decides, node_groups, step_cost, stream_traffic
 
 GRID_MODES = ("tp", "dp")
 GRID_METHODS = ("vanilla", "eplb", "moetuner", "semmoe")
@@ -90,15 +92,16 @@ def _stock_tp(serving, offsets, experts, E, groups) -> StepTraffic:
 
 
 def _cost_rows(base: dict, traffic: StepTraffic, bound: StepTraffic, oracle: StepTraffic | None,
-               targets, collectives) -> list[dict]:
-    """One row per target (hardware set and width at ``base``'s step size)."""
+               targets, collectives, decision: bool = False) -> list[dict]:
+    """One row per target (hardware set and width at ``base``'s step size); ``decision``: the
+    schedule decides every layer of every step (counted in the row and its bound, not the oracle's)."""
     out = []
     for t in targets:
         hw = HARDWARE[t.hardware]
-        cost = step_cost(traffic, t, collectives)
+        cost = step_cost(traffic, t, collectives, decision)
         row = {**base, "hardware": t.hardware, "calibrated": hw.calibrated, "nodes": hw.nodes, "unit": hw.unit,
                "hidden": t.shape.hidden, "expert_intermediate": t.shape.expert_intermediate, **cost,
-               "time_bound_us": step_cost(bound, t, collectives)["total_us"],
+               "time_bound_us": step_cost(bound, t, collectives, decision)["total_us"],
                "oracle_time_bound_us": step_cost(oracle, t, collectives)["total_us"] if oracle is not None else None,
                "time_ratio_vs_vanilla": None}
         out.append({**{k: row[k] for k in ROW_KEYS}, **row})  # the contract's columns first
@@ -181,7 +184,7 @@ def run_grid(trace, ep: int = 8, *, profile_frac: float = 0.2, seed: int = 0, mo
                             "steps": s["steps"], "lar": s["traffic"].lar, "oracle_lar": s["oracle"].lar}
                     if variant is not None:
                         base["variant"] = variant
-                    rows += _cost_rows(base, s["traffic"], bound, oracle, cell, collectives)
+                    rows += _cost_rows(base, s["traffic"], bound, oracle, cell, collectives, decides(mode, tables))
                     if mode == "tp" and method == "vanilla" and R == 0:
                         stock = _stock_tp(s["serving"], s["offsets"], s["experts"], ep, groups)
                         rows += _cost_rows({**base, "method": "stock_tp", "lar": None, "oracle_lar": None}, stock,

@@ -7,7 +7,10 @@ per-layer counts (:class:`StepTraffic`) into modelled MoE-layer time. Every MoE 
 step runs in lock step over the EP group (DP ranks and TP ranks alike): each phase ends when
 its slowest rank is done, so
 
-``layer time = collectives + dispatch + experts + combine``, each the slowest rank's:
+``layer time = decision + collectives + dispatch + experts + combine``, each the slowest rank's:
+
+- **decision** (TP mode with Sem-MoE's scheduling): every rank computes the same shuffle of the
+  step's tokens before the layer; its time is measured, not modelled (:data:`TP_DECISION_US`).
 
 - **dispatch / combine** (one bulk exchange each, the α-β model): every rank sends and
   receives at once over its own links; a rank's exchange takes ``rows × row_bytes /
@@ -426,10 +429,31 @@ def collective_seconds(step_tokens: np.ndarray, ep_size: int, shape: MoEShape, h
     return spec["tensor_passes"] * per_pass + spec["latency_passes"] * hw.collective_latency_s
 
 
-def layer_times(traffic: StepTraffic, shape: MoEShape, hw: Hardware, collectives: str | None = None) -> dict:
+#: The TP decision of one MoE layer (scores, price rounds, repair, permutation) as the engine runs
+#: it on CUDA tensors (PyTorch ops and the Triton price rounds, not fused), measured on an H200:
+#: tokens per step -> µs. It is applied on every hardware set (all are H100/H200-class GPUs).
+TP_DECISION_US = {64: 970.2, 512: 1401.8, 4096: 1407.9, 16384: 5038.2}
+TP_DECISION_SOURCE = ("measured: `SEMMOE_GPU_NO_VLLM=1 bash scripts/gpu_check.sh` on an H200, "
+                      "benchmarks/gpu/h200_no_vllm_run4_final_tree.json, timing_without_vllm.<tokens>.decision_ms")
+
+
+def tp_decision_seconds(step_tokens: np.ndarray) -> np.ndarray:
+    """``[S]`` seconds of the TP decision for one MoE layer of each step of ``step_tokens`` tokens:
+    :data:`TP_DECISION_US` linear in log2(tokens) between its points, the nearest point outside."""
+    points = np.array(sorted(TP_DECISION_US), np.float64)
+    us = np.array([TP_DECISION_US[int(t)] for t in points], np.float64)
+    tokens = np.maximum(np.asarray(step_tokens, np.float64), 1.0)
+    return np.interp(np.log2(tokens), np.log2(points), us) * 1e-6
+
+
+def layer_times(traffic: StepTraffic, shape: MoEShape, hw: Hardware, collectives: str | None = None,
+                decision: bool = False) -> dict:
     """``{part: [S, L] seconds}`` of every MoE layer of every step: ``collectives``,
     ``dispatch``, ``combine`` (zero where the counts have no exchange, as in stock TP),
-    ``experts`` (straggler) and ``experts_mean`` (the same work spread evenly)."""
+    ``experts`` (straggler), ``experts_mean`` (the same work spread evenly) and ``decision``
+    (the TP decision, :func:`tp_decision_seconds`, where ``decision``: Sem-MoE's TP scheduling
+    decides every layer of every step; zero otherwise, e.g. DP mode, whose rank choice runs per
+    request in the API server, off the step)."""
     S, L = traffic.activations.shape[:2]
     E = traffic.ranks
     if traffic.exchange:
@@ -448,13 +472,15 @@ def layer_times(traffic: StepTraffic, shape: MoEShape, hw: Hardware, collectives
         "combine": combine,
         "experts": experts.max(axis=-1),
         "experts_mean": expert_seconds(traffic.activations.mean(axis=-1), mean_active, shape, hw),
+        "decision": np.broadcast_to((tp_decision_seconds(traffic.step_tokens) if decision
+                                     else np.zeros(S))[:, None], (S, L)),
     }
 
 
 def summarize(times: dict, traffic: StepTraffic, per: str = "layer_step") -> dict:
     """Microseconds from :func:`layer_times`: ``per="layer_step"`` the mean MoE layer of a step,
     ``per="token"`` per token summed over all layers (the two differ by ``L / tokens per step``).
-    ``total_us`` = collectives + dispatch + experts + combine."""
+    ``total_us`` = decision + collectives + dispatch + experts + combine."""
     if per == "layer_step":
         scale = 1e6 / times["dispatch"].size
     elif per == "token":
@@ -462,7 +488,8 @@ def summarize(times: dict, traffic: StepTraffic, per: str = "layer_step") -> dic
     else:
         raise ValueError(f"per must be 'layer_step' or 'token', got {per!r}")
     out = {f"{k}_us": float(v.sum() * scale) for k, v in times.items()}
-    out["total_us"] = out["collectives_us"] + out["dispatch_us"] + out["experts_us"] + out["combine_us"]
+    out["total_us"] = (out["decision_us"] + out["collectives_us"] + out["dispatch_us"] + out["experts_us"]
+                       + out["combine_us"])
     out["imbalance_cost_us"] = out["experts_us"] - out["experts_mean_us"]
     return out
 

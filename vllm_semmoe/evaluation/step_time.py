@@ -120,16 +120,23 @@ def stream_traffic(rest, placement, tables, mode: str, batch_tokens: int, groups
             "experts": experts}
 
 
-def step_cost(traffic: StepTraffic, target: Target, collectives: str | None) -> dict:
+def decides(mode, tables) -> bool:
+    """Whether serving ``tables`` in ``mode`` runs a decision inside every MoE layer of every step:
+    TP mode with Sem-MoE's tables (the shuffle). DP's rank choice runs per request in the API
+    server, off the step; without tables the reduce-scatter's slices need none."""
+    return tables is not None and serving_mode(mode) == ServingMode.TP
+
+
+def step_cost(traffic: StepTraffic, target: Target, collectives: str | None, decision: bool = False) -> dict:
     """:func:`vllm_semmoe.evaluation.cost_model.summarize` of ``traffic`` on ``target``: µs per MoE layer
-    per step (``total_us`` and its parts)."""
-    return summarize(layer_times(traffic, target.shape, HARDWARE[target.hardware], collectives), traffic)
+    per step (``total_us`` and its parts; ``decision``: add the measured TP decision, :func:`decides`)."""
+    return summarize(layer_times(traffic, target.shape, HARDWARE[target.hardware], collectives, decision), traffic)
 
 
-def step_time_us(traffic: StepTraffic, target: Target, mode) -> float:
-    """Modelled ``total_us`` of ``traffic`` in ``mode`` on ``target``."""
-    return step_cost(traffic, target, collectives_for(mode))["total_us"]
+def step_time_us(traffic: StepTraffic, target: Target, mode, tables=None) -> float:
+    """Modelled ``total_us`` of ``traffic`` in ``mode`` on ``target``, scheduled with ``tables``."""
+    return step_cost(traffic, target, collectives_for(mode), decides(mode, tables))["total_us"]
 
 
-__all__ = ["Target", "collectives_for", "node_groups", "oracle_devices", "schedule", "serving_devices",
+__all__ = ["Target", "collectives_for", "decides", "node_groups", "oracle_devices", "schedule", "serving_devices",
            "step_cost", "step_time_us", "stream_traffic"]

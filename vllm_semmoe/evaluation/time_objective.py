@@ -121,7 +121,7 @@ def choose(profile: RoutingTrace, ep_size: int, mode, redundant: int, targets, *
                 for t in targets:
                     if t.batch_tokens == batch:
                         times = choices[t].times_us
-                        times[variant] = times.get(variant, 0.0) + step_time_us(traffic, t, mode) / len(folds)
+                        times[variant] = times.get(variant, 0.0) + step_time_us(traffic, t, mode, tables) / len(folds)
     for c in choices.values():
         c.variant = min(variants, key=lambda v: c.times_us[v])  # ties: the earlier variant
     if progress:
