@@ -145,13 +145,11 @@ def test_layers_on_threads_decide_as_one_thread(split, monkeypatch, history):
     profile, trace = split
     placement = get_policy("semmoe").solve(profile, 8)
     tables = build_tables(profile, placement)
-    counts = ev.placement_device_counts(trace.experts, placement)
     runs, original = {}, ev.for_each_layer
     for threads in (4, 1):
         used = []
         monkeypatch.setattr(ev, "for_each_layer", lambda L, work, n, used=used: (used.append(n), original(L, work, n)))
-        runs[threads] = ev.tp_devices(trace, counts, tables, 8, EvalConfig(mode="tp", tp_history=history,
-                                                                               threads=threads))
+        runs[threads] = ev.tp_devices(trace, tables, 8, EvalConfig(mode="tp", tp_history=history, threads=threads))
         assert used == [threads]
     assert (runs[4][0] == runs[1][0]).all() and runs[4][1] == runs[1][1]
     assert ev.layer_threads(None, 26) == min(len(os.sched_getaffinity(0)), ev.MAX_LAYER_THREADS)
@@ -221,3 +219,42 @@ def test_cli_eval_holds_out_the_tuning_split_and_says_so(dev_trace, dev_trace_pa
     assert "NOT held out" in capsys.readouterr().out
     payload = json.loads(out.read_text())
     assert payload["profile_tokens"] + payload["eval_tokens"] == dev_trace.num_tokens
+
+
+@pytest.mark.parametrize("method", ["vanilla", "semmoe"])
+def test_capture_replay_is_evaluate_on_the_engine_steps(tmp_path, monkeypatch, method):
+    """The capture summary's ``replayed`` figures are computed offline from the written capture:
+    :func:`replay_capture` on an engine's segment (read in chunks of steps) equals ``evaluate``
+    with one batch per step, as the engine scheduled them (Sem-MoE's scheduler with Sem-MoE's
+    tables, vLLM's slices with a baseline's); under DP the engine's rank's local activations."""
+    import numpy as np
+
+    import vllm_semmoe.evaluation.evaluate as ev
+    from vllm_semmoe.core.capture_store import SegmentWriter
+    from vllm_semmoe.core.synthetic import synthetic_trace
+    from vllm_semmoe.core.tables import device_counts
+
+    trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=300, num_requests=30)
+    tables = build_tables(trace, get_policy(method).solve(trace, 4))
+    path = str(tmp_path / "cap.npz")
+    for dp_rank in (0, 1):
+        writer = SegmentWriter(path, num_layers=4, num_experts=16, top_k=2, vocab_size=300, dp_rank=dp_rank,
+                               dp_size=2)
+        for r in range(trace.num_requests):  # every request of the trace is one engine step
+            rows = slice(trace.offsets[r], trace.offsets[r + 1])
+            n = rows.stop - rows.start
+            writer.append([f"r{r}"], [n], np.zeros(n, np.int64), np.arange(n), trace.tokens[rows],
+                          trace.experts[rows])
+        writer.close()
+    monkeypatch.setattr(ev, "REPLAY_STEPS", 7)
+    replayed = ev.replay_capture(path, tables)
+    whole = evaluate(trace, tables.placement, tables if method == "semmoe" else None,
+                     EvalConfig(mode="tp", batch_tokens=0))
+    for key in ("lar", "lar_token", "oracle_lar", "imbalance", "expert_imbalance"):
+        assert replayed[key] == pytest.approx(whole[key], rel=1e-9), key
+    assert (replayed["steps"], replayed["tokens"]) == (trace.num_requests, trace.num_tokens)
+    dp = ev.replay_capture(path, tables, dp_rank=1, dp_size=2)
+    local = int(device_counts(trace.experts, tables.placement.expert_device, 4)[:, :, 2:].sum())
+    assert (dp["local_activations"], dp["remote_activations"]) == (local, trace.experts.size - local)
+    SegmentWriter(str(tmp_path / "empty.npz"), num_layers=4, num_experts=16, top_k=2, vocab_size=300).close()
+    assert ev.replay_capture(str(tmp_path / "empty.npz"), tables) == {}  # no step yet

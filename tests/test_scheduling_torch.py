@@ -2,6 +2,7 @@
 per token, same permutation, for any tables and batch (ties included)."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,26 +101,31 @@ def test_repair_path_matches():
         assert np.bincount(want, minlength=4).max() <= cap
 
 
-def test_tp_shuffle_layer_schedules_the_same_on_device():
-    """``TpShuffleLayer.schedule``'s on-device path (used for CUDA tensors; run here on CPU
-    tensors) gives the host path's permutation, with the two-layer history."""
+@pytest.mark.parametrize("history", ["experts", "devices"])
+def test_torch_scheduler_decides_as_the_host_scheduler(history):
+    """``TorchTpScheduler`` (the engine's decision on CUDA tensors; run here on CPU tensors) gives
+    ``TpScheduler``'s permutation at every layer of a step, with the two-layer history of either
+    table (X: the experts; A: the majority devices, with a replica slot per device)."""
     from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.schedulers import TpScheduler
     from vllm_semmoe.core.synthetic import synthetic_trace
     from vllm_semmoe.core.tables import build_tables
-    from vllm_semmoe.vllm_adapter.state import new_moe_counters
-    from vllm_semmoe.vllm_adapter.tp_shuffle import StepContext, TpShuffleLayer
+    from vllm_semmoe.kernels.scheduling_torch import TorchTpScheduler
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=512, num_requests=30)
-    tables = build_tables(trace, get_policy("semmoe").solve(trace, 4, mode="tp"), mode="tp")
+    tables = build_tables(trace, get_policy("semmoe").solve(trace, 4, mode="tp", redundant=1), mode="tp")
+    host = TpScheduler(tables, history=history)
+    assert host.uses_experts == (history == "experts")
+    on_device = TorchTpScheduler(host, torch.device("cpu"))
     rng = np.random.default_rng(0)
     for B in (1, 5, 64, 300):
-        step = StepContext(rng.integers(0, 600, B), tables, None, new_moe_counters())
-        step.major = {0: rng.integers(0, 4, B), 1: rng.integers(0, 4, B)}
-        step.experts = {0: rng.integers(0, 16, (B, 2)), 1: rng.integers(0, 16, (B, 2))}
-        for layer in (0, 2, 3):
-            shuffle = TpShuffleLayer(layer, tables)
-            host = shuffle.schedule(step, B, 4)
-            dev = shuffle._schedule_on_device(step, B, 4, torch.device("cpu"))
-            assert dev[2] == host[2]
-            np.testing.assert_array_equal(dev[0].numpy(), host[0])
-            np.testing.assert_array_equal(dev[1].numpy(), host[1])
+        rows = host.rows(rng.integers(0, 600, B))
+        routed = {}
+        for layer in range(tables.num_layers):
+            previous = host.previous(layer, routed, B)
+            want = host.decide(layer, rows, previous, 4)
+            got = on_device.decide(layer, rows, previous, 4)
+            assert got[3] == want[3]
+            for g, w, name in zip(got[:3], want[:3], ("device", "slot_token", "token_slot")):
+                np.testing.assert_array_equal(g.numpy(), w, err_msg=f"{name}, layer {layer}, {B} tokens")
+            routed[layer] = host.history(layer, rng.integers(0, 16, (B, 2)))

@@ -7,9 +7,9 @@ with the tables of ``semmoe solve --mode dp`` and returns the ranks best first; 
 pins the request there with vLLM's ``X-data-parallel-rank`` header (or sends it to that rank's
 API server). ``semmoe route`` is the same on the command line.
 
-The score is the value the engine's router maximises (:func:`.scheduling.dp_choose_balanced`,
-as :class:`.vllm_adapter.dp_routing.DpRouter` calls it): the prompt's T2D votes on the rank
-(predicted local expert activations, :func:`dp_rank_votes`) less a price on the rank's
+The score is the value the engine's router maximises (:meth:`.schedulers.DpScheduler.values`,
+the scheduler :class:`.vllm_adapter.dp_routing.DpRouter` chooses with): the prompt's T2D votes on
+the rank (predicted local expert activations, :func:`dp_rank_votes`) less a price on the rank's
 in-flight work above the least-loaded rank's. With no load given (or equal loads) the ranking
 is by votes alone, and its first rank is what the engine's router picks for the same request
 before it has routed anything.
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import scheduling
+from .schedulers import DpScheduler
 from .tables import SemMoETables
 
 
@@ -42,29 +43,19 @@ def dp_ranks_of(tables: SemMoETables, num_ranks: int | None = None) -> tuple[int
     """``(DP ranks, EP devices per DP rank)``: the tables' EP devices split evenly over
     ``num_ranks`` DP ranks (default: one device per rank, TP 1); DP rank ``r`` owns devices
     ``r * per_rank ..``."""
-    num_ranks = tables.ep_size if num_ranks is None else int(num_ranks)
-    if num_ranks < 1 or tables.ep_size % num_ranks:
-        raise ValueError(f"tables for EP {tables.ep_size} cannot be split over {num_ranks} DP ranks")
-    return num_ranks, tables.ep_size // num_ranks
+    scheduler = DpScheduler(tables, num_ranks)
+    return scheduler.num_ranks, scheduler.ranks_per_dp
 
 
-def dp_rank_votes(tables: SemMoETables, token_ids, num_ranks: int | None = None, *,
-                  t2d_score: np.ndarray | None = None) -> np.ndarray:
+def dp_rank_votes(tables: SemMoETables, token_ids, num_ranks: int | None = None) -> np.ndarray:
     """``[num_ranks]`` float64 T2D votes of a prompt on each DP rank: its predicted local expert
-    activations there (:func:`.scheduling.request_votes` summed over the rank's EP devices).
+    activations there (:meth:`.schedulers.DpScheduler.votes`).
 
     Args:
         token_ids: the prompt's token ids, as the engine tokenizes it.
         num_ranks: DP ranks (default: the tables' EP size, TP 1).
-        t2d_score: ``tables.t2d_score`` as float32, where the caller keeps one (a router scoring
-            many requests); converted here otherwise.
     """
-    num_ranks, per_rank = dp_ranks_of(tables, num_ranks)
-    tokens = np.asarray(token_ids, np.int64).reshape(-1)
-    t2d = tables.t2d_score.astype(np.float32) if t2d_score is None else t2d_score
-    per_device = scheduling.request_votes(tables.token_rows(tokens), np.array([0, len(tokens)]), t2d,
-                                          tables.oov_score)[0]
-    return per_device.reshape(num_ranks, per_rank).sum(axis=1)
+    return DpScheduler(tables, num_ranks).votes(token_ids)
 
 
 def rank_dp_ranks(tables: SemMoETables, token_ids, *, num_ranks: int | None = None, loads=None,
@@ -89,18 +80,19 @@ def rank_dp_ranks(tables: SemMoETables, token_ids, *, num_ranks: int | None = No
         ``num_ranks`` :class:`RankScore`, highest score first; the first is the rank the
         engine's rule chooses for these inputs.
     """
-    votes = dp_rank_votes(tables, token_ids, num_ranks)
-    num_ranks = len(votes)
+    scheduler = DpScheduler(tables, num_ranks, balance=balance, decode_weight=decode_weight)
+    votes = scheduler.votes(token_ids)
+    num_ranks = scheduler.num_ranks
     load = np.zeros(num_ranks) if loads is None else np.asarray(loads, np.float64).reshape(-1)
     if load.shape != (num_ranks,) or not np.all(np.isfinite(load)) or np.any(load < 0):
         raise ValueError(f"loads must be {num_ranks} non-negative numbers (one per DP rank), got {loads!r}")
     price = np.zeros(num_ranks) if price is None else np.asarray(price, np.float64).reshape(-1)
     if price.shape != (num_ranks,):
         raise ValueError(f"price must be {num_ranks} numbers (one per DP rank), got {price.shape[0]}")
-    work = float(scheduling.request_work([len(np.asarray(token_ids).reshape(-1))], decode_weight)[0])
+    work = scheduler.work(len(np.asarray(token_ids).reshape(-1)))
     mean_work = work if mean_work is None else float(mean_work)
     if not mean_work > 0:
         raise ValueError(f"mean_work must be positive, got {mean_work}")
-    score = scheduling.dp_balanced_values(votes, load, mean_work, work, balance, price)
+    score = scheduler.values(votes, load, mean_work, work, price)
     order = np.argsort(-score, kind="stable")
     return [RankScore(int(r), float(score[r]), float(votes[r]), float(load[r])) for r in order]

@@ -40,9 +40,10 @@ from ..core.modes import ServingMode, serving_mode
 from ..core.placement import Placement
 from ..core.policy import get_policy
 from ..core.policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
-from ..core.tables import SemMoETables, build_tables, placement_device_counts
-from ..core.schedulers import (EvalConfig, batch_starts, check_inputs_fit,
-                         decode_weight, dp_ranks, request_devices, tp_devices)
+from ..core.capture_store import read_segment, segment_path
+from ..core.schedulers import (EvalConfig, batch_starts, check_inputs_fit, decode_weight, dp_ranks,
+                               request_devices, scheduling_tables, tp_devices)
+from ..core.tables import SemMoETables, build_tables, device_counts, placement_device_counts
 from ..core.trace import RoutingTrace, check_fit
 
 
@@ -56,7 +57,7 @@ def evaluate(trace: RoutingTrace, placement: Placement, tables: SemMoETables | N
     counts = placement_device_counts(trace.experts, placement)  # [T, L, E]
     extra = {}
     if mode == ServingMode.TP:
-        device, imbalance = tp_devices(trace, counts, tables, E, config)
+        device, imbalance = tp_devices(trace, tables, E, config)
         oracle = counts.max(axis=2).sum()
     else:
         rank, imbalance = dp_ranks(trace, tables, E, config)
@@ -253,6 +254,99 @@ def aggregate_seeds(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
             out[name][key] = {"mean": np.mean(arr, axis=0).tolist(), "sd": np.asarray(sd).tolist(),
                               "per_seed": values}
     return out
+
+
+#: steps of a capture replayed at once (:func:`replay_capture`; bounds memory however long the capture)
+REPLAY_STEPS = 256
+REPLAY_TOKENS = 1 << 16
+
+
+class StepReplay:
+    """:func:`evaluate` replayed on an engine's forward steps, as the engine batched them, against
+    ``tables``' placement, accumulated chunk by chunk (the steps themselves are not kept).
+
+    Not a live measurement: it recomputes what the scheduler would do from the captured routing
+    (the capture summary's ``replayed``). What the engine really did is in the engines' own
+    counters (``moe_traffic``: bytes and local / remote activations counted in the MoE layers).
+
+    Data-parallel serving (``dp_size > 1``): every token of the engine lives on DP rank
+    ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
+    expert sits on one of them. Otherwise tokens are scheduled per forward step as the engine
+    schedules them (:func:`.schedulers.scheduling_tables`: Sem-MoE's TP scheduler with Sem-MoE's
+    tables, else vLLM's contiguous slices), exactly as :func:`evaluate` does for a trace with one
+    batch per step; the figures equal ``evaluate`` on all steps at once.
+    """
+
+    def __init__(self, tables: SemMoETables, *, vocab_size: int, dp_rank: int = 0, dp_size: int = 1):
+        self.tables, self.vocab_size = tables, vocab_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        L, E = tables.num_layers, tables.ep_size
+        self.steps = self.tokens = 0
+        self.local = self.activations = 0.0
+        self.local_tokens = self.oracle = self.imbalance_sum = 0.0
+        self.expert_load = np.zeros((L, E), np.int64)
+
+    def add(self, tokens: np.ndarray, experts: np.ndarray, step_lengths: list[int]) -> None:
+        """tokens ``[n]``, experts ``[n, L, K]`` logical ids, step_lengths: tokens per step."""
+        tables = self.tables
+        n, L, K = experts.shape
+        self.steps += len(step_lengths)
+        self.tokens += n
+        self.activations += n * L * K
+        counts = device_counts(experts, tables.placement.expert_device, tables.ep_size)  # [n, L, E]
+        self.expert_load += counts.sum(axis=0, dtype=np.int64)
+        if self.dp_size > 1:
+            group = tables.ep_size // self.dp_size
+            self.local += int(counts[:, :, self.dp_rank * group : (self.dp_rank + 1) * group].sum())
+            return
+        steps = RoutingTrace.from_arrays(tokens.astype(np.int32), experts, np.concatenate([[0], np.cumsum(step_lengths)]),
+                                         vocab_size=self.vocab_size, num_experts=tables.num_experts)
+        # one thread: it runs in an engine's process, whose siblings may be flushing too
+        result = evaluate(steps, tables.placement, scheduling_tables(tables),
+                          EvalConfig(mode=ServingMode.TP, batch_tokens=0, threads=1))
+        self.local += result["lar"] * n * L * K
+        self.local_tokens += result["lar_token"] * n * L
+        self.oracle += result["oracle_lar"] * n * L * K
+        self.imbalance_sum += result["imbalance"] * len(step_lengths) * L
+
+    def result(self) -> dict:
+        """The figures so far (``{}`` before any step)."""
+        if not self.steps:
+            return {}
+        lar = self.local / self.activations
+        if self.dp_size > 1:
+            local = int(self.local)
+            out = {"lar": lar, "local_activations": local, "remote_activations": int(self.activations) - local}
+        else:
+            load = self.expert_load
+            L = load.shape[0]
+            out = {"lar": lar, "lar_token": self.local_tokens / (self.tokens * L),
+                   "oracle_lar": self.oracle / self.activations, "imbalance": self.imbalance_sum / (self.steps * L),
+                   "expert_imbalance": float((load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12)).mean())}
+        out["steps"] = self.steps
+        out["tokens"] = self.tokens
+        return out
+
+
+def replay_capture(path: str, tables: SemMoETables, *, dp_rank: int = 0, dp_size: int = 1) -> dict:
+    """:class:`StepReplay` of the steps DP rank ``dp_rank``'s engine appended to the capture at
+    ``path`` (its segment, :func:`.capture_store.segment_path`, read as it is now: a running
+    engine's too), in chunks of :data:`REPLAY_STEPS` steps or :data:`REPLAY_TOKENS` tokens.
+    ``{}`` when the segment holds no step. Raises :class:`.trace.TraceError` for a damaged segment."""
+    header, steps, _ = read_segment(segment_path(path, dp_rank))
+    if header is None:
+        return {}
+    replay = StepReplay(tables, vocab_size=int(header["vocab_size"]), dp_rank=dp_rank, dp_size=dp_size)
+    chunk: list[dict] = []
+    pending = 0
+    for i, step in enumerate(steps):
+        chunk.append(step)
+        pending += len(step["token"])
+        if len(chunk) >= REPLAY_STEPS or pending >= REPLAY_TOKENS or i == len(steps) - 1:
+            replay.add(np.concatenate([s["token"] for s in chunk]).astype(np.int64),
+                       np.concatenate([s["experts"] for s in chunk]).astype(np.int64), [len(s["token"]) for s in chunk])
+            chunk, pending = [], 0
+    return replay.result()
 
 
 def placement_cache(directory: str):

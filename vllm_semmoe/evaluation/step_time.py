@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core import schedulers
-from ..core.schedulers import dp_steps, sample_steps
+from ..core.schedulers import dp_steps, tp_steps
 from .cost_model import DSV2_LITE, HARDWARE, MoEShape, StepTraffic, layer_times, step_traffic, summarize
 from ..core.modes import ServingMode, serving_mode
 from ..core.policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
@@ -68,14 +68,8 @@ def schedule(rest, placement, tables, mode: str, batch_tokens: int, config=None,
         rank, _ = schedulers.dp_ranks(rest, tables, E, config)
         (rows, offsets), device = dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
         return rows, offsets, device.astype(np.int64), rest
-    steps = sample_steps(-(-rest.num_tokens // batch_tokens), max_batches, sample)
-    n_tok = min(rest.num_tokens, (int(steps[-1]) + 1) * batch_tokens)
-    n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))
-    sub = rest.select_requests(np.arange(max(n_req, 1)))
-    device, _ = schedulers.tp_devices(sub, placement_device_counts(sub.experts, placement), tables, E, config)
-    parts = [np.arange(b * batch_tokens, min((b + 1) * batch_tokens, n_tok), dtype=np.int64) for b in steps]
-    offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
-    rows = np.concatenate(parts)
+    rows, offsets, sub = tp_steps(rest, batch_tokens, max_batches, sample)
+    device, _ = schedulers.tp_devices(sub, tables, E, config)
     return rows, offsets, device[rows], sub
 
 

@@ -11,17 +11,20 @@ float32 rounding, and the decision equals Numba's wherever no two choices are th
 run as one Triton kernel on CUDA (:mod:`csrc_triton.align`; as PyTorch ops elsewhere, a fixed
 number of rounds with finished ones masked out); one flag is read after them, and the
 sequential repair step (only when the prices leave a device over capacity) runs on the host in
-Numba.
+Numba. :class:`TorchTpScheduler` is :class:`vllm_semmoe.core.schedulers.TpScheduler` on these
+operations (what the engine's token shuffle decides with on CUDA).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from csrc_triton import align as align_kernel
 from csrc_triton import shuffle
 
 from ..core.scheduling import COMBINE_PRODUCT, repair_unit, slice_capacity
+from ..core.schedulers import TpScheduler
 
 ROUNDS = 40  # price rounds of :func:`vllm_semmoe.core.scheduling.align`
 
@@ -152,3 +155,57 @@ def tp_decide(scores: torch.Tensor, ep_size: int):
 def tp_schedule(rows, history, t2d_layer, oov_layer, markov_layer, ep_size: int, combine: int = COMBINE_PRODUCT):
     """:func:`tp_decide` on the A-table rule's scores (:func:`tp_layer_scores`)."""
     return tp_decide(tp_layer_scores(rows, history, t2d_layer, oov_layer, markov_layer, combine), ep_size)
+
+
+class TorchTpScheduler:
+    """:class:`vllm_semmoe.core.schedulers.TpScheduler`'s decision in PyTorch ops on ``device``:
+    the same tables (each layer's arrays copied there once) and the same history, so the same
+    decision (see the module docstring for the X-table rule's rounding).
+
+    Args:
+        scheduler: the host scheduler whose tables and history rule this runs.
+        device: where the tables live and the decisions run.
+    """
+
+    def __init__(self, scheduler: TpScheduler, device: torch.device):
+        self.scheduler = scheduler
+        self.device = device
+        self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def layer_tables(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s arrays as tensors on :attr:`device` (copied once)."""
+        found = self._layers.get(layer)
+        if found is None:
+            a = self.scheduler.layer_tables(layer)
+            arrays = ((a.t2d, a.oov, a.evidence, a.log_prior, a.holds) if self.scheduler.uses_experts
+                      else (a.t2d, a.oov, a.markov))
+            found = self._layers[layer] = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+                                                for x in arrays)
+        return found
+
+    def _tensor(self, array) -> torch.Tensor:
+        if isinstance(array, torch.Tensor):
+            return array.to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(array, np.int64)).to(self.device, non_blocking=True)
+
+    def scores(self, layer: int, rows, previous) -> torch.Tensor:
+        """``[B, E]`` float32 scores, as :meth:`TpScheduler.scores` (``rows``, ``previous``: its
+        inputs, arrays or tensors)."""
+        rows, previous = self._tensor(rows), self._tensor(previous)
+        if self.scheduler.uses_experts:
+            t2d, oov, evidence, log_prior, holds = self.layer_tables(layer)
+            return tp_expert_scores(rows, previous, t2d, oov, evidence, log_prior, holds,
+                                    tuple(float(w) for w in self.scheduler.weights))
+        return tp_layer_scores(rows, previous, *self.layer_tables(layer))
+
+    def decide(self, layer: int, rows, previous, num_ranks: int):
+        """``(device [B], slot_token, token_slot, capacity)`` as :meth:`TpScheduler.decide`, the
+        index tensors on :attr:`device`."""
+        B = len(rows)
+        cap = slice_capacity(B, num_ranks)
+        if self.scheduler.schedules:
+            device, slot_token, token_slot = tp_decide(self.scores(layer, rows, previous), num_ranks)
+        else:
+            device = torch.arange(B, device=self.device) // cap
+            slot_token, token_slot = shuffle_permutation(device, num_ranks, cap)
+        return device, slot_token, token_slot, cap

@@ -1,4 +1,4 @@
-"""Live routing capture inside vLLM's model runner, and live LAR.
+"""Live routing capture inside vLLM's model runner, and the live counters.
 
 A :class:`RoutingRecorder` sees every real forward step (not vLLM's warm-up or profiling runs,
 which bypass ``_model_forward``): which request each token belongs to, its position and id,
@@ -7,10 +7,9 @@ and the top-k expert ids every MoE layer chose for it. Routers report *logical* 
 after it; see :mod:`.replacement`). When the step's forward pass ends the recorder appends the
 step to this engine's segment of the durable capture (:mod:`vllm_semmoe.core.capture_store`): the
 capture survives any way the engine stops, and the recorder keeps no history beyond one small
-record per live request (the positions it has covered, for coverage below). For live LAR,
-steps wait in memory until :data:`METER_STEPS` steps or :data:`METER_TOKENS` tokens are pending
-(or :func:`~vllm_semmoe.vllm_adapter.recording.flush_capture` runs) and are then counted by a
-:class:`ReplayMeter`: memory stays bounded however long the engine serves.
+record per live request (the positions it has covered, for coverage below). Nothing is
+evaluated during steps: the offline evaluator replays the written capture when the engine
+flushes its summary (:func:`vllm_semmoe.evaluation.evaluate.replay_capture`).
 
 Coverage: a request's first step need not start at position 0 (vLLM's prefix cache serves the
 leading tokens another request computed; a KV connector loads them), and then no MoE layer routes
@@ -32,17 +31,12 @@ import torch
 
 from ..core.capture_store import SegmentWriter
 from ..core.placement import Placement
-from ..core.trace import RoutingTrace
 
 logger = logging.getLogger("vllm.semmoe")
 
-#: count pending steps for live LAR once this many steps or tokens wait (bounds memory)
-METER_STEPS = 256
-METER_TOKENS = 1 << 16
-
 
 class RoutingRecorder:
-    """Records per-step routing and drains it to disk and the live meter; one per worker process.
+    """Records per-step routing and appends it to disk and the live counters; one per worker process.
 
     Args:
         num_layers: MoE layers in the model; top_k: experts per token.
@@ -53,7 +47,7 @@ class RoutingRecorder:
         vocab: token strings (index = token id) and ``vocab_size``.
 
     ``store`` (a :class:`~vllm_semmoe.core.capture_store.SegmentWriter`, set by :meth:`open_store`)
-    receives every step as it ends; ``meter`` (a :class:`ReplayMeter`) replays them through the offline evaluator.
+    receives every step as it ends.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, placement: Placement | None,
@@ -62,12 +56,9 @@ class RoutingRecorder:
         self.l2p = placement.device_map(token_device) if placement is not None else None
         self.vocab, self.vocab_size = vocab, vocab_size
         self.num_steps = 0  # steps recorded since start
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens, logical experts) not metered yet
-        self._pending_tokens = 0
         self._current: dict | None = None
         self.store: SegmentWriter | None = None
         self.writes_capture = False  # whether this recorder opened the capture (a store), stopped or not
-        self.meter: ReplayMeter | None = None
         self.live_counters: LiveCounters | None = None
         #: request id -> [next position not yet covered, [[start, end) ranges skipped, not routed]]
         self._covered: dict[str, list] = {}
@@ -194,11 +185,6 @@ class RoutingRecorder:
                 path, self.live_counters = self.live_counters.path, None
                 self.fail(f"could not write the live counters {path} ({exc.strerror or exc}); they stopped "
                           f"after {self.num_steps - 1} steps")
-        if self.meter is not None:
-            self._pending.append((step["token"], experts))
-            self._pending_tokens += len(step["token"])
-            if len(self._pending) >= METER_STEPS or self._pending_tokens >= METER_TOKENS:
-                self.drain()
 
     def fail(self, reason: str) -> None:
         """The capture (or its live counters) stopped: log it at error level, keep the first
@@ -209,7 +195,7 @@ class RoutingRecorder:
         if self.on_failure is not None:
             self.on_failure("capture_error", reason)
 
-    # ---- storage and metering --------------------------------------------------------------
+    # ---- storage ---------------------------------------------------------------------------
     def open_store(self, path: str, *, dp_rank: int = 0, dp_size: int = 1) -> None:
         """Append every step from now on to ``path``'s durable capture (this engine's segment)."""
         self.store = SegmentWriter(path, num_layers=self.num_layers, num_experts=self.num_experts,
@@ -217,84 +203,6 @@ class RoutingRecorder:
                                    vocab=self.vocab if len(self.vocab) == self.vocab_size else (),
                                    dp_rank=dp_rank, dp_size=dp_size)
         self.writes_capture = True
-
-    def drain(self) -> int:
-        """Count the steps waiting for the live meter; returns how many."""
-        steps, self._pending, self._pending_tokens = self._pending, [], 0
-        if steps and self.meter is not None:
-            self.meter.add(np.concatenate([t for t, _ in steps]), np.concatenate([e for _, e in steps]),
-                           [len(t) for t, _ in steps])
-        return len(steps)
-
-
-class ReplayMeter:
-    """The offline evaluator replayed on the captured steps, as the engine batched them, against
-    ``tables``' placement, accumulated chunk by chunk (the steps themselves are not kept).
-
-    Not a live measurement: it recomputes what the scheduler would do from the captured routing
-    (the capture summary's ``replayed``). What the engine really did is in the engines' own
-    counters (``moe_traffic``: bytes and local / remote activations counted in the MoE layers).
-
-    Data-parallel serving (``dp_size > 1``): every token of this engine lives on DP rank
-    ``dp_rank``, whose EP devices are ``dp_rank * E/dp_size ..``; an activation is local when its
-    expert sits on one of them. Otherwise tokens are scheduled per forward step with Sem-MoE's
-    TP scheduler when the tables are Sem-MoE's, else with the default contiguous slices (what
-    vLLM does), exactly as :func:`vllm_semmoe.evaluation.evaluate.evaluate` does for an offline trace with
-    one batch per step; the figures equal ``evaluate`` on all steps at once.
-    """
-
-    def __init__(self, tables, *, vocab_size: int, dp_rank: int = 0, dp_size: int = 1):
-        self.tables, self.vocab_size = tables, vocab_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        L, E = tables.num_layers, tables.ep_size
-        self.steps = self.tokens = 0
-        self.local = self.activations = 0.0
-        self.local_tokens = self.oracle = self.imbalance_sum = 0.0
-        self.expert_load = np.zeros((L, E), np.int64)
-
-    def add(self, tokens: np.ndarray, experts: np.ndarray, step_lengths: list[int]) -> None:
-        """tokens ``[n]``, experts ``[n, L, K]`` logical ids, step_lengths: tokens per step."""
-        from ..evaluation.evaluate import EvalConfig, evaluate
-        from ..core.tables import device_counts
-
-        tables = self.tables
-        n, L, K = experts.shape
-        self.steps += len(step_lengths)
-        self.tokens += n
-        self.activations += n * L * K
-        counts = device_counts(experts, tables.placement.expert_device, tables.ep_size)  # [n, L, E]
-        self.expert_load += counts.sum(axis=0, dtype=np.int64)
-        if self.dp_size > 1:
-            group = tables.ep_size // self.dp_size
-            self.local += int(counts[:, :, self.dp_rank * group : (self.dp_rank + 1) * group].sum())
-            return
-        steps = RoutingTrace.from_arrays(tokens.astype(np.int32), experts, np.concatenate([[0], np.cumsum(step_lengths)]),
-                                         vocab_size=self.vocab_size, num_experts=tables.num_experts)
-        scheduled = tables if tables.placement.method == "semmoe" else None
-        # one thread: this runs inside the engine's step, beside its own compute threads
-        result = evaluate(steps, tables.placement, scheduled, EvalConfig(mode="tp", batch_tokens=0, threads=1))
-        self.local += result["lar"] * n * L * K
-        self.local_tokens += result["lar_token"] * n * L
-        self.oracle += result["oracle_lar"] * n * L * K
-        self.imbalance_sum += result["imbalance"] * len(step_lengths) * L
-
-    def result(self) -> dict:
-        """The figures so far (``{}`` before any step)."""
-        if not self.steps:
-            return {}
-        lar = self.local / self.activations
-        if self.dp_size > 1:
-            local = int(self.local)
-            out = {"lar": lar, "local_activations": local, "remote_activations": int(self.activations) - local}
-        else:
-            load = self.expert_load
-            L = load.shape[0]
-            out = {"lar": lar, "lar_token": self.local_tokens / (self.tokens * L),
-                   "oracle_lar": self.oracle / self.activations, "imbalance": self.imbalance_sum / (self.steps * L),
-                   "expert_imbalance": float((load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12)).mean())}
-        out["steps"] = self.steps
-        out["tokens"] = self.tokens
-        return out
 
 
 class LiveCounters:

@@ -2,10 +2,10 @@
 
 Runs in the API server process, in vLLM's DP load balancer
 (``DPLBAsyncMPClient.get_core_engine_for_request``). The decision is
-:func:`vllm_semmoe.core.scheduling.dp_choose_balanced`, the rule the offline evaluation measures
+:meth:`vllm_semmoe.core.schedulers.DpScheduler.choose`, the scheduler the offline evaluation runs
 (``window_imbalance``): the prompt's T2D votes against per-rank prices learned from the work this
-router sent each rank, and each rank's in-flight work. This module gathers its inputs, keeps
-the prices and per-rank counters.
+router sent each rank, and each rank's in-flight work. This module gathers its inputs and keeps
+the per-rank counters.
 
 In-flight work per rank: the prompt tokens plus the tokens generated so far of every request
 this router sent there and vLLM has not finished. Generated tokens and finishes come from the
@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..core import scheduling
-from ..core.route import dp_rank_votes
+from ..core.schedulers import DpScheduler
 from ..core.tables import SemMoETables
 
 logger = logging.getLogger("vllm.semmoe")
@@ -36,6 +36,10 @@ class DpRouter:
     Args:
         tables: tables whose EP size is ``num_ranks * ranks_per_dp`` (DP rank ``r`` owns EP
             devices ``r * ranks_per_dp ..``).
+        num_ranks: the deployment's DP size.
+        ranks: the DP ranks this API server balances (vLLM's hybrid load balancing: its node's;
+            default all). Ranks chosen and per-rank arrays are positions in ``ranks``, vLLM's
+            index of the engines this server talks to.
         balance, price_step: the balance knobs of :func:`.scheduling.dp_choose_balanced`.
         slack: hard guard: a rank whose queue score exceeds the least-loaded rank's by more
             than this (in requests) is never chosen.
@@ -44,17 +48,16 @@ class DpRouter:
 
     def __init__(self, tables: SemMoETables, num_ranks: int, *, balance: float = scheduling.DEFAULT_DP_BALANCE,
                  slack: float = math.inf, decode_weight: float = scheduling.DEFAULT_DECODE_WEIGHT,
-                 price_step: float = scheduling.DEFAULT_DP_PRICE_STEP):
-        if tables.ep_size % num_ranks:
-            raise ValueError(f"tables for EP {tables.ep_size} cannot be split over {num_ranks} DP ranks")
+                 price_step: float = scheduling.DEFAULT_DP_PRICE_STEP, ranks=None):
+        #: the decision (votes, work, the balanced choice and its per-rank prices)
+        self.scheduler = DpScheduler(tables, num_ranks, balance=balance, price_step=price_step,
+                                     decode_weight=decode_weight, ranks=ranks)
         self.tables = tables
-        self.num_ranks = num_ranks
-        self.ranks_per_dp = tables.ep_size // num_ranks
-        self.balance, self.slack, self.decode_weight = balance, slack, decode_weight
-        self.price_step = price_step
-        #: per-rank prices (votes per unit of work), updated by every decision
-        self.price = np.zeros(num_ranks)
-        self.t2d = tables.t2d_score.astype(np.float32)
+        #: the DP ranks this router balances; arrays below are indexed by position in it
+        self.ranks = self.scheduler.ranks
+        self.num_ranks = len(self.ranks)
+        self.ranks_per_dp = self.scheduler.ranks_per_dp
+        self.slack = slack
         #: this router's unfinished requests: request id -> [rank, prompt plus generated tokens]
         self.in_flight: dict[str, list] = {}
         self.total_work = 0.0
@@ -62,10 +65,15 @@ class DpRouter:
         self.prompt_tokens = np.zeros(num_ranks, np.int64)
         self.metrics = _prometheus_counters()
 
+    @property
+    def price(self) -> np.ndarray:
+        """``[num_ranks]`` per-rank prices (votes per unit of work), updated by every decision."""
+        return self.scheduler.price
+
     def votes(self, prompt_token_ids) -> np.ndarray:
         """``[num_ranks]`` predicted local activations of the prompt on each DP rank
-        (:func:`vllm_semmoe.core.route.dp_rank_votes`, what ``semmoe route`` scores too)."""
-        return dp_rank_votes(self.tables, prompt_token_ids, self.num_ranks, t2d_score=self.t2d)
+        (:meth:`~vllm_semmoe.core.schedulers.DpScheduler.votes`, what ``semmoe route`` scores too)."""
+        return self.scheduler.votes(prompt_token_ids)
 
     @property
     def in_flight_requests(self) -> np.ndarray:
@@ -89,8 +97,8 @@ class DpRouter:
         return tokens + others * mean
 
     def work(self, prompt_tokens: int) -> float:
-        """A request's work: its prompt plus the decode weight (:func:`.scheduling.request_work`)."""
-        return float(scheduling.request_work([prompt_tokens], self.decode_weight)[0])
+        """A request's work: its prompt plus the decode weight (:meth:`~vllm_semmoe.core.schedulers.DpScheduler.work`)."""
+        return self.scheduler.work(prompt_tokens)
 
     def mean_work(self, pending: float | None = None) -> float:
         """Mean work of the requests routed so far, with ``pending`` (a request being routed)
@@ -107,8 +115,7 @@ class DpRouter:
         votes = self.votes(prompt_token_ids)
         votes[scores > scores.min() + self.slack] = -np.inf
         work = self.work(len(prompt_token_ids))
-        rank = int(scheduling.dp_choose_balanced(votes, self.in_flight_work(scores), self.mean_work(pending=work),
-                                                 work, self.balance, self.price, self.price_step))
+        rank = self.scheduler.choose(votes, self.in_flight_work(scores), self.mean_work(pending=work), work)
         self.record(request_id, rank, len(prompt_token_ids), work)
         return rank
 
@@ -121,8 +128,8 @@ class DpRouter:
         self.requests[rank] += 1
         self.prompt_tokens[rank] += prompt_tokens
         if self.metrics:
-            self.metrics[0].labels(dp_rank=str(rank)).inc()
-            self.metrics[1].labels(dp_rank=str(rank)).inc(prompt_tokens)
+            self.metrics[0].labels(dp_rank=str(int(self.ranks[rank]))).inc()
+            self.metrics[1].labels(dp_rank=str(int(self.ranks[rank]))).inc(prompt_tokens)
         if self.requests.sum() % 100 == 0:
             logger.info("semmoe DP routing: requests per rank %s, prompt tokens per rank %s",
                         self.requests.tolist(), self.prompt_tokens.tolist())
@@ -145,9 +152,9 @@ class DpRouter:
                 left[entry[0]] += 1
         if self.metrics:  # one increment per rank and batch, not per request
             for rank in np.nonzero(generated)[0]:
-                self.metrics[2].labels(dp_rank=str(rank)).inc(int(generated[rank]))
+                self.metrics[2].labels(dp_rank=str(int(self.ranks[rank]))).inc(int(generated[rank]))
             for rank in np.nonzero(left)[0]:
-                self.metrics[3].labels(dp_rank=str(rank)).inc(int(left[rank]))
+                self.metrics[3].labels(dp_rank=str(int(self.ranks[rank]))).inc(int(left[rank]))
 
 
 def _prometheus_counters():

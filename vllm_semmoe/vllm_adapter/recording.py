@@ -1,8 +1,10 @@
 """The routing capture wired into an engine: the recorder fed by every MoE layer's router, the
 step it records, where its files go, and writing them out.
 
-The recorder itself (:class:`~.capture.RoutingRecorder`), the live counters and the replay meter
-are in :mod:`.capture`; the on-disk layout in :mod:`vllm_semmoe.core.capture_store`.
+The recorder itself (:class:`~.capture.RoutingRecorder`) and the live counters are in
+:mod:`.capture`; the on-disk layout in :mod:`vllm_semmoe.core.capture_store`; the summary's
+``replayed`` figures are the offline evaluator's on the written capture
+(:func:`vllm_semmoe.evaluation.evaluate.replay_capture`), computed when the summary is written.
 """
 
 from __future__ import annotations
@@ -58,11 +60,6 @@ def make_recorder(runners: list, vllm_config: VllmConfig, state: EngineState) ->
             live_counters_path(config.capture, parallel, compat.tp_rank()), parallel.data_parallel_rank,
             parallel.data_parallel_size, tables.placement.num_physical_experts, tables.ep_size, traffic=state.counters,
             tp_rank=compat.tp_rank(), failures=state.failures)
-    if tables is not None:
-        from .capture import ReplayMeter
-
-        recorder.meter = ReplayMeter(tables, vocab_size=recorder.vocab_size, dp_rank=parallel.data_parallel_rank,
-                                   dp_size=parallel.data_parallel_size)
     if config.capture is not None and compat.tp_rank() == 0:  # TP ranks see the same tokens: one writes
         recorder.open_store(config.capture, dp_rank=parallel.data_parallel_rank,
                             dp_size=parallel.data_parallel_size)
@@ -133,8 +130,8 @@ def live_counters_path(path: str, parallel_config, tp_rank: int) -> str:
 
 
 def flush_capture(runner_or_worker) -> dict:
-    """Return the live metrics (steps, live LAR, TP-shuffle counters) and write them beside the
-    capture (``X.npz.json``, rank 0 of its TP group). The capture itself needs no flush: engines
+    """Return the engine's summary (steps, TP-shuffle and MoE counters, the capture's replay) and
+    write it beside the capture (``X.npz.json``, rank 0 of its TP group). The capture itself needs no flush: engines
     append every step to it as the step ends.
 
     Accepts a model runner or a vLLM worker, so ``LLM.collective_rpc(flush_capture)`` works.
@@ -146,12 +143,12 @@ def flush_capture(runner_or_worker) -> dict:
 
 def flush_state(state: EngineState) -> dict:
     """Write ``state``'s capture summary and return it: steps, coverage (tokens of the engine's
-    requests with and without routing), live LAR, TP-shuffle and MoE exchange counters, and the
-    plugin's failures in this engine (``failures``, when any)."""
+    requests with and without routing), TP-shuffle and MoE exchange counters, the offline
+    evaluator's figures on the steps captured so far (``replayed``, :func:`replay_summary`), and
+    the plugin's failures in this engine (``failures``, when any)."""
     recorder, config = state.recorder, state.config
     if recorder is None or recorder.num_steps == 0:
         return {}
-    recorder.drain()
     dp_size, dp_rank = state.layout.dp, state.dp_rank
     summary = {"steps": recorder.num_steps, "dp_rank": dp_rank, "coverage": recorder.coverage()}
     if state.failures:
@@ -160,22 +157,54 @@ def flush_state(state: EngineState) -> dict:
         summary["tp_shuffle"] = dict(state.counters)
     if state.dispatch is not None or state.tp_meter is not None:
         summary["moe_traffic"] = {"dispatch": state.dispatch, **state.counters}
-    if recorder.meter is not None:
-        summary["replayed"] = recorder.meter.result()
+    path = None
     if recorder.writes_capture:
         from types import SimpleNamespace
 
         path = dp_capture_path(config.capture, SimpleNamespace(data_parallel_size=dp_size,
                                                                data_parallel_rank=dp_rank)) + ".json"
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(summary, f, indent=2)
-            os.replace(path + ".tmp", path)
-            summary["path"] = config.capture
-        except OSError as exc:  # after a capture error, often the same cause
-            logger.error("semmoe: could not write the capture summary %s (%s)", path, exc)
+        written = _write_summary(path, summary)  # first without the replay: an engine stopped during it keeps these
+    replayed = replay_summary(state)
+    if replayed:
+        summary["replayed"] = replayed
+        if path is not None:
+            written = _write_summary(path, summary)
+    if path is not None and written:
+        summary["path"] = config.capture
     state.flushed_steps, state.flushed_summary = recorder.num_steps, summary
     return summary
+
+
+def _write_summary(path: str, summary: dict) -> bool:
+    """Write ``summary`` to ``path`` atomically; ``False`` (logged) when it cannot be written."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(path + ".tmp", path)
+        return True
+    except OSError as exc:  # after a capture error, often the same cause
+        logger.error("semmoe: could not write the capture summary %s (%s)", path, exc)
+        return False
+
+
+def replay_summary(state: EngineState) -> dict:
+    """The capture summary's ``replayed`` figures: the offline evaluator replayed on the steps this
+    engine wrote to its capture (:func:`vllm_semmoe.evaluation.evaluate.replay_capture`), against
+    the engine's tables; kept from the last flush when no step came since. ``{}`` without tables
+    or a capture written here (one TP rank writes it), or when the capture cannot be read (logged)."""
+    recorder = state.recorder
+    if state.tables is None or not recorder.writes_capture:
+        return {}
+    if state.flushed_steps == recorder.num_steps and "replayed" in state.flushed_summary:
+        return state.flushed_summary["replayed"]
+    from ..core.trace import TraceError
+    from ..evaluation.evaluate import replay_capture
+
+    try:
+        return replay_capture(state.config.capture, state.tables, dp_rank=state.dp_rank, dp_size=state.layout.dp)
+    except (OSError, TraceError) as exc:
+        logger.error("semmoe: could not replay the routing capture for its summary (%s)", exc)
+        return {}
 
 
 def flush_at_exit(state: EngineState) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ...core.capture_store import as_trace
-from ...core.schedulers import SAMPLES, dp_steps, sample_steps
+from ...core.schedulers import SAMPLES, dp_steps, tp_steps
 from ...core.trace import first_layers
 from ...evaluation.cost_model import step_counts
 
@@ -86,7 +86,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     from ...core.policy import get_policy
     from ...core.policy.base import check_redundant
     from ...core.policy.eplb import rank_rows, served_by_vllm_eplb, vllm_serving_device
-    from ...core.tables import build_tables, placement_device_counts
+    from ...core.tables import build_tables
 
     mode = serving_mode(mode)
     config = replace(config or ev.EvalConfig(), mode=mode, batch_tokens=batch_tokens)
@@ -109,15 +109,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
     E = ranks
     plan_rows, plan_dev, placements, solve_s = {}, {}, {}, {}
     if mode == ServingMode.TP:
-        # batch b is tokens [b·B, (b+1)·B) of the stream; scheduled on the requests covering
-        # the last batch replayed (the schedule of a batch depends on its own tokens only)
-        steps = sample_steps(-(-rest.num_tokens // batch_tokens), max_batches, sample)
-        n_tok = min(rest.num_tokens, (int(steps[-1]) + 1) * batch_tokens)
-        n_req = int(np.searchsorted(rest.offsets, n_tok, side="left"))  # requests covering n_tok tokens
-        sub = rest.select_requests(np.arange(max(n_req, 1)))
-        tp_rows = [np.arange(b * batch_tokens, min((b + 1) * batch_tokens, n_tok), dtype=np.int64) for b in steps]
-        offsets = np.cumsum([0] + [len(r) for r in tp_rows]).astype(np.int64)
-        tp_rows = np.concatenate(tp_rows)
+        tp_rows, offsets, sub = tp_steps(rest, batch_tokens, max_batches, sample)
     for i, name in enumerate(methods):
         if progress:
             progress(i, len(methods), f"solving {name}")
@@ -128,8 +120,7 @@ def plan_bench_ep(trace, ranks: int, mode: str, methods, *, layers: int | None =
         solve_s[name] = time.perf_counter() - start
         tables = build_tables(profile, placement, mode=mode) if name == "semmoe" else None
         if mode == ServingMode.TP:
-            counts = placement_device_counts(sub.experts, placement)
-            device, _ = ev.tp_devices(sub, counts, tables, E, config)
+            device, _ = ev.tp_devices(sub, tables, E, config)
             plan_rows[name] = (tp_rows, offsets)
             plan_dev[name] = device[tp_rows].astype(np.int16)
         else:
