@@ -169,16 +169,19 @@ def test_api_server_state_reads_tables_through_the_config(tmp_path: Path) -> Non
     from vllm_semmoe.vllm_adapter.state import api_server_state
 
     def vllm_config(semmoe):
-        return SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {})
+        return SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {},
+                               parallel_config=SimpleNamespace(data_parallel_size=2))
 
-    assert make_api_server_state(vllm_config(None), 2) is None  # not configured
+    assert make_api_server_state(vllm_config(None), [0, 1]) is None  # not configured
     (tmp_path / "t").mkdir()
-    assert make_api_server_state(vllm_config({"tables": str(tmp_path / "t")}), 2) is None  # not dp mode
+    assert make_api_server_state(vllm_config({"tables": str(tmp_path / "t")}), [0, 1]) is None  # not dp mode
     with pytest.raises(SemMoEConfigError, match=r"^semmoe: .*no manifest\.json"):
-        make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), 2)
+        make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), [0, 1])
     _dp_tables(tmp_path / "t")
-    state = make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), 2)
+    state = make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), [0, 1])
     assert state.config.mode == "dp" and state.dp_router.num_ranks == 2
+    one_node = make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), [1])
+    assert one_node.dp_router.ranks.tolist() == [1] and one_node.dp_router.scheduler.ranks_per_dp == 1
     assert state.dp_router.tables is state.tables and state.tables.mode == "dp"
     # made once per DP client, on its first request; a client Sem-MoE does not route keeps None
     client, plain = _Client(), _Client()

@@ -223,3 +223,26 @@ def check_route_header_steers_requests(base: str, tables_dir, model: str, num_ra
         assert moved == {e: float(len(prompt)) if e == target else 0.0 for e in range(num_ranks)}, (target, moved)
         landed.add(target)
     assert landed == set(range(num_ranks)), landed
+
+
+@pytest.mark.parametrize("balancing", ["internal", "hybrid", "external"])
+def test_engine_start_says_who_routes_under_each_dp_balancing(balancing, tables_dir, caplog):
+    """``dp`` mode routes inside vLLM's balancer; at engine start the plugin says where that
+    balancer sees only this node's ranks (hybrid) or no choice at all (external: the outside
+    router must call ``semmoe route``). vLLM's own ``ParallelConfig`` carries the setting."""
+    import logging
+
+    from vllm.config import ParallelConfig
+
+    from vllm_semmoe.vllm_adapter.checks import check_load_balancing
+    from vllm_semmoe.vllm_adapter.config import SemMoEConfig
+
+    parallel = ParallelConfig(data_parallel_size=2, data_parallel_size_local=1, data_parallel_rank=0,
+                              data_parallel_hybrid_lb=balancing == "hybrid",
+                              data_parallel_external_lb=balancing == "external")
+    config = SemMoEConfig.from_additional_config({"semmoe": {"tables": str(tables_dir), "mode": "dp"}})
+    with caplog.at_level(logging.INFO, logger="vllm.semmoe"):
+        check_load_balancing(config, SimpleNamespace(parallel_config=parallel))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("routes nothing" in said and "semmoe route" in said) == (balancing == "external")
+    assert ("among its own 1 DP rank" in said) == (balancing == "hybrid")

@@ -98,9 +98,9 @@ def test_vllm_greedy_generation(model_dir: Path, tmp_path: Path,
     monkeypatch.setenv("VLLM_PLUGINS", "")  # the asset on its own, without project plugins
     # ...but this process has imported Numba (llvmlite) in earlier tests, whose ctypes wrappers
     # crash vLLM 0.32's Triton re-binding scan; the plugin normally installs this workaround.
-    from vllm_semmoe.vllm_adapter.plugin import _fix_triton_rebind_scan
+    from vllm_semmoe.vllm_adapter.patches.triton import REBIND_SCAN
 
-    _fix_triton_rebind_scan()
+    REBIND_SCAN.install()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True,

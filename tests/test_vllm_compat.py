@@ -235,22 +235,26 @@ def main():
     import vllm
     assert vllm.__version__ == "0.33.0", vllm.__version__
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
-    from vllm_semmoe.vllm_adapter import compat, plugin
+    from vllm_semmoe.vllm_adapter import compat
+    from vllm_semmoe.vllm_adapter.patches import dp_client
     from vllm_semmoe.vllm_adapter.state import api_server_state
     assert compat.dp_client_class() is DPLBAsyncMPClient
     original = DPLBAsyncMPClient.get_core_engine_for_request
-    plugin._patch_dp_router()
+    for patch in dp_client.PATCHES:
+        patch.install()
 
     def client(semmoe, lb):
         c = object.__new__(DPLBAsyncMPClient)  # the fields 0.33's balancer and the hook read
         c.core_engines = [b"\x00\x00", b"\x01\x00"]
+        c.engine_ranks_managed = [0, 1]
         c.lb_engines = lb
         c.client_count = 1
         c.engine_inflight = Counter()
         c.reqs_in_flight = {}
         c.eng_start_index = 0
         c.streaming_reqs = set()
-        c.vllm_config = SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {})
+        c.vllm_config = SimpleNamespace(additional_config={"semmoe": semmoe} if semmoe else {},
+                                        parallel_config=SimpleNamespace(data_parallel_size=2))
         return c
 
     def request(rid, tokens, rank=None):

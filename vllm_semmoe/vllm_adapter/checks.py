@@ -1,6 +1,6 @@
 """Engine-start checks: refuse, before any worker starts, what the plugin cannot serve.
 
-Run by the ``EngineArgs.create_engine_config`` hook (:mod:`.plugin`) when ``semmoe`` is
+Run by the ``EngineArgs.create_engine_config`` patch (:mod:`.patches.engine_args`) when ``semmoe`` is
 configured: the parallel layout the mode needs, compilation settings (the plugin's per-step ops
 must stay outside CUDA graphs), and the tables against the model's HF config. Each refusal is
 one :class:`~.config.SemMoEConfigError` naming the setting and what to do instead.
@@ -19,6 +19,7 @@ def check_engine_config(config, vllm_config) -> None:
     """Refuse, before any worker starts, what the plugin cannot serve; keep its ops outside
     piecewise CUDA graphs."""
     check_layout(config, vllm_config)
+    check_load_balancing(config, vllm_config)
     check_compilation(config, vllm_config)
     if config.tables is not None:
         validate_against_model(config, vllm_config)
@@ -36,6 +37,28 @@ def check_layout(config, vllm_config) -> None:
     warning = config.mode.layout_warning(layout, config.mode.dispatch(layout, config.dispatch))
     if warning:
         logger.warning(warning)
+
+
+def check_load_balancing(config, vllm_config) -> None:
+    """``dp`` mode routes requests inside vLLM's DP load balancer. Say at start where that
+    balancer sees only part of the deployment: with hybrid load balancing each node's API server
+    routes among its own ranks; with external load balancing no vLLM balancer chooses a rank, so
+    the outside router must (``semmoe route``)."""
+    from ..core.modes import ServingMode
+
+    parallel = vllm_config.parallel_config
+    if config.mode != ServingMode.DP or parallel.data_parallel_size <= 1:
+        return
+    balancing = compat.dp_load_balancing(parallel)
+    if balancing == "hybrid":
+        logger.info("semmoe: hybrid DP load balancing: each node's API server routes its requests among "
+                    "its own %d DP rank(s) by Sem-MoE's rule", parallel.data_parallel_size_local)
+    elif balancing == "external":
+        logger.warning(
+            "semmoe: external DP load balancing: no vLLM balancer chooses the DP rank, so the plugin "
+            "routes nothing; Sem-MoE's rank choice is the outside router's: `semmoe route --tables T "
+            "--prompt ...` (or vllm_semmoe.core.route.rank_dp_ranks) ranks the DP ranks, and the router "
+            "sends each request to the best rank's server (tables, placement and capture still apply)")
 
 
 def check_compilation(config, vllm_config) -> None:

@@ -309,6 +309,13 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "output", "fused_expert_output", "topk_weights", "topk_ids",
               "apply_router_weight_on_input", "weight_and_reduce_impl"), needed_by="dp",
              why="the reduce-scatter combine the sparse stage replaces (same signature)"),
+    Internal(_NAIVE_DP_EP, "MoEPrepareAndFinalizeNaiveDPEPModular.__init__", "function",
+             ("self", "is_sequence_parallel", "num_dispatchers"), needed_by="dp",
+             why="the sparse and metered stages are its subclasses, built with the layer's stage's settings"),
+    Internal(_NAIVE_DP_EP, "MoEPrepareAndFinalizeNaiveDPEPModular.is_sequence_parallel", "attribute",
+             needed_by="dp", why="copied into the sparse or metered stage that replaces the layer's"),
+    Internal(_NAIVE_DP_EP, "MoEPrepareAndFinalizeNaiveDPEPModular.num_dispatchers", "function", ("self",),
+             needed_by="dp", why="copied into the sparse or metered stage that replaces the layer's"),
     Internal(_NAIVE_DP_EP, "_quantize_and_setup_dispatch", "function", ("a1", "quant_config", "defer_input_quant"),
              needed_by="dp", why="activation quantization before the dispatch, as vLLM's stage does it"),
     Internal("vllm.model_executor.layers.fused_moe.topk_weight_and_reduce", "TopKWeightAndReduceDelegate",
@@ -352,6 +359,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_CORE_CLIENT, "DPAsyncMPClient.lb_engines", "attribute", needed_by="dp",
              why="waiting/running (and KV usage) per rank"),
     Internal(_CORE_CLIENT, "MPClient.core_engines", "attribute", needed_by="dp", why="the DP ranks"),
+    Internal(_CORE_CLIENT, "MPClient.engine_ranks_managed", "attribute", needed_by="dp",
+             why="the DP ranks behind core_engines (hybrid load balancing: this node's only)"),
+    Internal("vllm.config.parallel", "ParallelConfig.data_parallel_size_local", "attribute", needed_by="dp",
+             why="the DP ranks a hybrid-balancing node serves"),
+    Internal("vllm.config.parallel", "ParallelConfig.data_parallel_hybrid_lb", "attribute", needed_by="dp",
+             why="whether each node's API server balances only its own DP ranks"),
+    Internal("vllm.config.parallel", "ParallelConfig.data_parallel_external_lb", "attribute", needed_by="dp",
+             why="whether no vLLM balancer sees more than one DP rank"),
     Internal(_CORE_CLIENT, "MPClient.vllm_config", "attribute", needed_by="dp", why="the semmoe settings"),
     # process-wide fixes
     Internal("vllm.triton_utils.dispatcher", "_rebind_kernels", "function", (), needed_by="all",
@@ -623,12 +638,17 @@ def set_prepare_finalize(experts, stage) -> None:
     experts.quant_method.moe_kernel.impl.prepare_finalize = stage
 
 
-def is_allgather_stage(stage) -> bool:
-    """Whether ``stage`` is vLLM's all-gather / reduce-scatter DP + EP stage (modular kernels)."""
+def allgather_stage_class():
+    """vLLM's all-gather / reduce-scatter DP + EP prepare/finalize class (modular kernels)."""
     from vllm.model_executor.layers.fused_moe.prepare_finalize.naive_dp_ep import (
         MoEPrepareAndFinalizeNaiveDPEPModular)
 
-    return type(stage) is MoEPrepareAndFinalizeNaiveDPEPModular
+    return MoEPrepareAndFinalizeNaiveDPEPModular
+
+
+def is_allgather_stage(stage) -> bool:
+    """Whether ``stage`` is vLLM's own all-gather / reduce-scatter DP + EP stage (modular kernels)."""
+    return type(stage) is allgather_stage_class()
 
 
 def quantize_for_dispatch(a1, quant_config, defer_input_quant: bool):
@@ -765,21 +785,25 @@ def tp_rank() -> int:
 
 
 # ---- DP load balancer -----------------------------------------------------------------------
-def worker_class():
-    """vLLM's worker class (the CPU worker inherits from it)."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    return Worker
-
-
 def dp_client_class():
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
     return DPLBAsyncMPClient
 
 
-def dp_num_ranks(client) -> int:
-    return len(client.core_engines)
+def dp_managed_ranks(client) -> list[int]:
+    """The DP ranks of ``client.core_engines``, in their order (all of them, or with hybrid load
+    balancing this node's)."""
+    return [int(r) for r in client.engine_ranks_managed]
+
+
+def dp_load_balancing(parallel_config) -> str:
+    """Who balances DP requests: ``"internal"`` (one API server balancer sees every rank),
+    ``"hybrid"`` (each node's API server balances its own ranks) or ``"external"`` (an outside
+    router picks the rank; each rank has its own API server)."""
+    if parallel_config.data_parallel_external_lb:
+        return "external"
+    return "hybrid" if parallel_config.data_parallel_hybrid_lb else "internal"
 
 
 def dp_request_placed(client, request) -> bool:
@@ -803,17 +827,3 @@ def dp_queue_scores(client, version: str | None = None) -> list[float]:
             score += waiting * 6.0 * max(0.0, float(counts[2]) - 0.5)
         scores.append(score)
     return scores
-
-
-# ---- process-wide fixes ---------------------------------------------------------------------
-def tolerate_foreign_vars(safe_vars) -> bool:
-    """Give vLLM's Triton kernel re-binding scan ``safe_vars`` as its ``vars``; ``False`` when
-    this vLLM has no such scan."""
-    try:
-        from vllm.triton_utils import dispatcher
-    except ImportError:
-        return False
-    if not hasattr(dispatcher, "_rebind_kernels"):
-        return False
-    dispatcher.vars = safe_vars
-    return True

@@ -9,17 +9,18 @@ routed tokens (hidden states, top-k weights and ids) to every rank, the experts 
 run on all of them, ``finalize`` reduce-scatters the partial sums back. Every token goes
 everywhere, wherever its experts are: a higher local activation rate saves nothing.
 
-:class:`SparsePrepareAndFinalize` is that stage with the project's EP exchange
-(:mod:`vllm_semmoe.kernels.ep_exchange`): ``prepare`` sends each token once to every other rank holding
-one of its experts (uneven all-to-all) and hands the experts this rank's own tokens followed by
-the received ones; ``finalize`` returns the received rows' partial sums to their home rank and
-adds them to the local ones. The layer's result is the same sum of the same expert outputs.
-:func:`install_sparse_dispatch` puts it in the MoE layers of one engine;
-:func:`install_dispatch_meter` instead counts what vLLM's own stage moves, changing nothing,
-so stock vLLM is measured by the same counters. A layer that moves its tokens any other way (an
-all-to-all backend's stage such as DeepEP's, vLLM's MoE runner all-gathering the tokens itself
-for a kernel without a prepare/finalize stage, a monolithic kernel) is left as it is and is
-*unmetered*: its bytes are not counted, which the engine reports (a warning at start,
+The sparse stage (:class:`~.patches.prepare_finalize.SparsePrepareAndFinalize`, a subclass of
+that vLLM class) moves tokens with the project's EP exchange
+(:mod:`vllm_semmoe.kernels.ep_exchange`): ``prepare`` sends each token once to every other rank
+holding one of its experts (uneven all-to-all) and hands the experts this rank's own tokens
+followed by the received ones; ``finalize`` returns the received rows' partial sums to their
+home rank and adds them to the local ones. The layer's result is the same sum of the same expert
+outputs. The metered stage (:class:`~.patches.prepare_finalize.MeteredPrepareAndFinalize`)
+counts what vLLM's own stage moves, changing nothing, so stock vLLM is measured by the same
+counters. A layer that moves its tokens any other way (an all-to-all backend's stage such as
+DeepEP's, vLLM's MoE runner all-gathering the tokens itself for a kernel without a
+prepare/finalize stage, a monolithic kernel) is left as it is and is *unmetered*: its bytes are
+not counted, which the engine reports (a warning at start,
 ``vllm:semmoe_unmetered_moe_layers_total``, the live counters, ``bench-serve``'s JSON and
 ``semmoe serve``'s exit status; :func:`unmetered_reason`), so that no figure reads as 0 bytes.
 
@@ -45,12 +46,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
 from ..kernels.ep_exchange import EpExchange, send_plan
-from . import compat
 
 logger = logging.getLogger("vllm.semmoe")
 
@@ -111,59 +110,6 @@ def comm_for(group, device: torch.device):
     return group.cpu_group if device.type == "cpu" else group.device_group
 
 
-def install_sparse_dispatch(runner, counters_of: Callable[[], dict[str, float]],
-                            on_unmetered: Callable[[str], None]) -> None:
-    """Give the MoE layer ``runner`` the sparse EP dispatch (see the module docstring).
-
-    vLLM builds the layer's modular kernel after the weights load, so the prepare/finalize
-    stage is replaced at the layer's first forward. ``counters_of()`` returns the dict the
-    exchange adds its counts to (the engine's counters while it serves, a scratch dict during
-    warm-up); ``on_unmetered(reason)`` reports a layer whose exchange cannot be replaced
-    (:func:`report_unmetered`).
-    """
-    _on_first_forward(runner, lambda stage: SparsePrepareAndFinalize(stage, counters_of), on_unmetered, sparse=True)
-    compat.use_opaque_moe_op(runner)  # the exchange's sizes vary per step: keep it out of compiled graphs
-
-
-def install_dispatch_meter(runner, counters_of: Callable[[], dict[str, float]],
-                           on_unmetered: Callable[[str], None]) -> None:
-    """Count the bytes of vLLM's own all-gather / reduce-scatter stage of the MoE layer
-    ``runner``, changing nothing it computes (``on_unmetered``: as for :func:`install_sparse_dispatch`)."""
-    _on_first_forward(runner, lambda stage: _metered(stage, counters_of), on_unmetered)
-    compat.use_opaque_moe_op(runner)
-
-
-def _on_first_forward(runner, replace, on_unmetered: Callable[[str], None], sparse: bool = False) -> None:
-    """At the first forward of ``runner``'s routed experts, swap its kernel's prepare/finalize
-    stage for ``replace(stage)`` when vLLM uses the all-gather stage; otherwise keep vLLM's way
-    and report the layer unmetered to ``on_unmetered(reason)`` (``sparse``: the sparse dispatch
-    was asked for)."""
-    experts = runner.routed_experts
-    original_modular, original_monolithic = experts.forward_modular, experts.forward_monolithic
-
-    def decided() -> None:  # once: the class methods again from now on
-        for name in ("forward_modular", "forward_monolithic"):
-            experts.__dict__.pop(name, None)
-
-    def forward_modular(*args, **kwargs):
-        decided()
-        stage = compat.prepare_finalize(experts)
-        if compat.is_allgather_stage(stage):
-            compat.set_prepare_finalize(experts, replace(stage))
-        else:
-            on_unmetered(unmetered_reason(
-                getattr(runner, "layer_name", "?"), None if stage is None else type(stage).__name__,
-                runner_all_gathers=compat.runner_dispatches_itself(runner), sparse=sparse))
-        return original_modular(*args, **kwargs)
-
-    def forward_monolithic(*args, **kwargs):
-        decided()
-        on_unmetered(unmetered_reason(getattr(runner, "layer_name", "?"), None, monolithic=True, sparse=sparse))
-        return original_monolithic(*args, **kwargs)
-
-    experts.forward_modular, experts.forward_monolithic = forward_modular, forward_monolithic
-
-
 def unmetered_reason(layer: str, stage: str | None, *, runner_all_gathers: bool = False, monolithic: bool = False,
                      sparse: bool = False) -> str:
     """Why MoE layer ``layer``'s token exchange is not metered: its prepare/finalize stage is
@@ -189,114 +135,6 @@ def report_unmetered(reason: str, *, dp_rank: int, failures: dict[str, str]) -> 
     if "unmetered" not in failures:
         logger.warning("semmoe: %s", reason)
     report_failure("unmetered", dp_rank, reason, failures)
-
-
-class SparsePrepareAndFinalize:
-    """vLLM's all-gather prepare/finalize stage with the sparse EP exchange (module docstring).
-
-    Wraps one layer's ``MoEPrepareAndFinalizeNaiveDPEPModular`` (``stage``): everything but
-    ``prepare``, ``finalize`` and the fused-output allocation is the stage's own. State between
-    ``prepare`` and ``finalize`` of one forward: the exchange, the send order, the split sizes
-    and this rank's row count.
-    """
-
-    def __init__(self, stage, counters_of):
-        self._stage = stage
-        self._counters_of = counters_of
-        self._pending = None
-
-    def __getattr__(self, name):  # activation_format, num_dispatchers, supports_async, ...
-        return getattr(self._stage, name)
-
-    def allocate_fused_expert_output(self, *args, **kwargs):
-        return None  # the experts' own buffer (the all-gather stage's is sized for the gathered batch)
-
-    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant_config, defer_input_quant: bool = False):
-        """Send each row of ``a1`` ``[m, H]`` to the other ranks holding one of its ``topk_ids``
-        ``[m, K]``; return vLLM's prepare result for ``[m + received]`` rows (own rows first)."""
-        if apply_router_weight_on_input:
-            assert topk_ids.size(1) == 1, "apply_router_weight_on_input is only implemented for topk=1"
-            a1 = a1 * topk_weights.to(a1.dtype)
-        if getattr(quant_config, "quant_dtype", None) == "nvfp4":
-            raise NotImplementedError("semmoe: the sparse EP dispatch does not carry NVFP4 activation scales; "
-                                      "serve this model with --dispatch vllm")
-        a1q, a1q_scale = compat.quantize_for_dispatch(a1, quant_config, defer_input_quant)
-        group = compat.ep_group()
-        rank, world = group.rank_in_group, group.world_size
-        m = a1.shape[0]
-        dest = topk_ids.long() // (num_experts // world)  # [m, K] rank holding each chosen expert
-        order, send_counts = send_plan(dest, rank, world)
-        xchg = EpExchange(comm_for(group, a1q.device))
-        sends = send_counts.tolist()
-        recvs = xchg.exchange_counts(send_counts)
-        recv_x = xchg.dispatch(a1q.index_select(0, order), sends, recvs)
-        recv_ids = xchg.dispatch(topk_ids.index_select(0, order), sends, recvs, metadata=True)
-        recv_w = xchg.dispatch(topk_weights.index_select(0, order), sends, recvs, metadata=True)
-        if a1q_scale is not None and a1q_scale.ndim > 0 and a1q_scale.shape[0] == m:  # per-token scales
-            a1q_scale = torch.cat([a1q_scale, xchg.dispatch(a1q_scale.index_select(0, order), sends, recvs,
-                                                            metadata=True)])
-        self._pending = (xchg, order, sends, recvs, m)
-        counters = self._counters_of()
-        local = int((dest == rank).sum())
-        counters["local_activations"] += local
-        counters["remote_activations"] += dest.numel() - local
-        counters["tokens"] += m
-        counters["layers_run"] += 1
-        return (torch.cat([a1q, recv_x]), a1q_scale, None, torch.cat([topk_ids, recv_ids]),
-                torch.cat([topk_weights, recv_w]))
-
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
-        """Reduce each row over its top-k, send the received rows' partial sums home, add them
-        to this rank's own rows, write ``output`` ``[m, H]``."""
-        xchg, order, sends, recvs, m = self._pending
-        self._pending = None
-        reduced = compat.weight_and_reduce(weight_and_reduce_impl, fused_expert_output, topk_weights, topk_ids,
-                                           apply_router_weight_on_input)
-        back = xchg.combine(reduced[m:].contiguous(), sends, recvs)
-        mine = reduced[:m]
-        if order.numel():
-            mine = mine.index_add(0, order, back.to(mine.dtype))
-        output.copy_(mine)
-        counters = self._counters_of()
-        for key in EXCHANGE_KEYS:
-            counters[key] += getattr(xchg.counters, key)
-
-
-def _metered(stage, counters_of):
-    """``stage`` (vLLM's all-gather prepare/finalize) with its bytes counted."""
-    prepare, finalize = stage.prepare, stage.finalize
-    rows = []
-
-    def metered_prepare(a1, topk_weights, topk_ids, num_experts, *args, **kwargs):
-        group = compat.ep_group()
-        rank, world = group.rank_in_group, group.world_size
-        counters = counters_of()
-        local = int((topk_ids.long() // (num_experts // world) == rank).sum())
-        counters["local_activations"] += local
-        counters["remote_activations"] += topk_ids.numel() - local
-        result = prepare(a1, topk_weights, topk_ids, num_experts, *args, **kwargs)
-        a1q, a1q_scale, _, ids, weights = result
-        m, total = a1.shape[0], a1q.shape[0]
-        per_row = lambda t: _nbytes(t) // max(t.shape[0], 1)  # noqa: E731
-        counters["dispatch_bytes"] += m * per_row(a1q) * (world - 1)
-        meta = per_row(ids) + per_row(weights)
-        if a1q_scale is not None and a1q_scale.ndim > 0 and a1q_scale.shape[0] == total:
-            meta += per_row(a1q_scale)
-        counters["metadata_bytes"] += m * meta * (world - 1)
-        counters["tokens"] += m
-        counters["layers_run"] += 1
-        rows.append((m, total))
-        return result
-
-    def metered_finalize(output, *args, **kwargs):
-        m, total = rows.pop() if rows else (output.shape[0], output.shape[0])
-        counters_of()["combine_bytes"] += (total - m) * output.shape[-1] * output.element_size()
-        return finalize(output, *args, **kwargs)
-
-    stage.prepare, stage.finalize = metered_prepare, metered_finalize
-    return stage
 
 
 def _nbytes(t: torch.Tensor) -> int:

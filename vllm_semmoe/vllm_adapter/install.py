@@ -2,7 +2,7 @@
 :class:`~.state.EngineState`, the placement, the routing recorder, the TP shuffle (fused into the
 decoder layers where recognised) and the DP + EP dispatch.
 
-Called once per engine by the ``BaseModelLoader.create_model`` hook (:mod:`.plugin`).
+Called once per engine by the ``BaseModelLoader.create_model`` patch (:mod:`.patches.model_loader`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .state import EngineState, register_state
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from ..core.schedulers import TpScheduler
     from ..core.tables import SemMoETables
     from .config import SemMoEConfig
 
@@ -68,17 +69,20 @@ def build_state(model, config: SemMoEConfig, vllm_config: VllmConfig,
     if config.records:
         state.recorder = make_recorder(runners, vllm_config, state)
     if TP_SHUFFLE in config.mode.installs and layout.tp > 1 and layout.ep:
+        from ..core.schedulers import TpScheduler, scheduling_tables
         from . import ops
-        from .tp_shuffle import TpShuffleLayer
+        from .tp_shuffle import TpShuffleLayer, install_shuffled_experts
 
+        scheduler = TpScheduler(scheduling_tables(state.tables))  # one for the engine's MoE layers
         for index, runner in enumerate(runners):
-            state.tp_layers[runner.layer_name] = TpShuffleLayer(index, state.tables)
+            state.tp_layers[runner.layer_name] = TpShuffleLayer(index, state.tables, scheduler)
         fuse_decoder_layers(model, state)
         for runner in runners:
             if runner.layer_name not in state.fused:
                 ops.install_moe_op(runner, runner.layer_name)
-        warm_up_scheduler(state.tables, ep_size)
-    install_dispatch(runners, state, config.resolved_dispatch(vllm_config.parallel_config))
+                install_shuffled_experts(runner, state.tp_layers[runner.layer_name], state)
+        warm_up_scheduler(scheduler, ep_size)
+    install_dispatch(model, runners, state, config.resolved_dispatch(vllm_config.parallel_config))
     if layout.tp > 1 and state.recorder is not None:  # count the TP group's collectives too
         from .ep_dispatch import CollectiveMeter
 
@@ -90,16 +94,15 @@ def build_state(model, config: SemMoEConfig, vllm_config: VllmConfig,
     return state
 
 
-def install_dispatch(runners: list, state: EngineState, dispatch: str | None) -> None:
+def install_dispatch(model, runners: list, state: EngineState, dispatch: str | None) -> None:
     """DP + EP: give the MoE layers the sparse dispatch, or meter vLLM's own (when recording)."""
-    from .ep_dispatch import install_dispatch_meter, install_sparse_dispatch, report_unmetered
+    from .ep_dispatch import report_unmetered
+    from .patches.prepare_finalize import install_stages
 
     if dispatch is None or (dispatch == "vllm" and state.recorder is None):
         return
-    install = install_sparse_dispatch if dispatch == "sparse" else install_dispatch_meter
     on_unmetered = functools.partial(report_unmetered, dp_rank=state.dp_rank, failures=state.failures)
-    for runner in runners:
-        install(runner, state.moe_counters, on_unmetered)
+    install_stages(model, runners, dispatch == "sparse", state.moe_counters, on_unmetered)
     state.dispatch = dispatch
     from .metrics import EngineMetrics
 
@@ -122,22 +125,18 @@ def _weak_counters(state: EngineState):
     return counters_of
 
 
-def warm_up_scheduler(tables: SemMoETables, ep_size: int) -> None:
-    """Compile the Numba TP scheduler now (types of the real calls), not in the first step."""
+def warm_up_scheduler(scheduler: TpScheduler, ep_size: int) -> None:
+    """Compile the Numba TP scheduler now (types of the real calls), not in the first step: a
+    two-token decision at the first layer (no history) and the second (with history)."""
     import numpy as np
 
-    from ..core import scheduling
-    from .state import new_moe_counters
-    from .tp_shuffle import StepContext, TpShuffleLayer
-
-    layer = TpShuffleLayer(0, tables)
-    step = StepContext(np.array([-1, 0], np.int64), tables, None, new_moe_counters())
-    step.experts[0] = np.zeros((2, tables.top_k), np.int64)
-    step.major[0] = np.zeros(2, np.int64)
-    if layer.shuffle:
-        for index in range(min(2, tables.num_layers)):  # without and with history
-            TpShuffleLayer(index, tables).schedule(step, 2, ep_size)
-    scheduling.shuffle_permutation(scheduling.contiguous_slices(2, ep_size), ep_size, 1)
+    rows = scheduler.rows(np.array([-1, 0], np.int64))
+    if not scheduler.schedules:  # contiguous slices
+        scheduler.decide(0, rows, None, ep_size)
+        return
+    routed = {0: scheduler.history(0, np.zeros((2, scheduler.tables.top_k), np.int64))}
+    for layer in range(min(2, scheduler.tables.num_layers)):
+        scheduler.decide(layer, rows, scheduler.previous(layer, routed, 2), ep_size)
 
 
 def fuse_decoder_layers(model, state: EngineState) -> int:

@@ -8,7 +8,8 @@ runs inside an operator the compiler treats as a black box, the way vLLM treats 
 - ``semmoe::decoder_layer(positions, hidden_states, residual, layer_name)``: a Qwen3-MoE-style
   decoder layer with the TP shuffle fused into its collectives (:func:`.tp_shuffle.fused_decoder_forward`);
 - ``semmoe::moe_layer(hidden_states, router_logits, layer_name)``: a MoE layer with the TP
-  shuffle at its boundary (:func:`.tp_shuffle.shuffled_moe_forward`).
+  shuffle at its boundary (vLLM's MoE layer, eagerly, whose routed-experts stage is
+  :class:`.tp_shuffle.ShuffledRoutedExperts`).
 
 ``layer_name`` is the MoE layer's vLLM name; the op finds the layer in vLLM's forward context,
 the engine's :class:`~.state.EngineState` from the layer, and the step context in the state.
@@ -85,15 +86,12 @@ def _decoder_layer_fake(positions, hidden_states, residual, layer_name):
 
 
 def _moe_layer(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
-    from . import tp_shuffle
-
     runner, state = _lookup(layer_name)
     step = state.step
     if step is None or hidden_states.shape[0] != len(step.rows):
         return _not_aliasing(compat.moe_forward_eager(runner, hidden_states, router_logits), hidden_states)
-    start = time.perf_counter()
-    out = tp_shuffle.shuffled_moe_forward(runner, state.tp_layers[layer_name], compat.moe_forward_eager, step,
-                                          hidden_states, router_logits)
+    start = time.perf_counter()  # the routed experts shuffle this step (.tp_shuffle.ShuffledRoutedExperts)
+    out = compat.moe_forward_eager(runner, hidden_states, router_logits)
     step.counters["moe_layer_s"] += time.perf_counter() - start
     return _not_aliasing(out, hidden_states)
 

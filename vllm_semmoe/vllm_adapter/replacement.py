@@ -158,7 +158,7 @@ def unsupported_reason(model: torch.nn.Module, runner, redundant_slots: int = 0)
     # layers built for replica slots read as EPLB's (their empty EPLB state is released first)
     if router.eplb_state is not None or (experts.moe_config.moe_parallel_config.enable_eplb and not redundant_slots):
         return "EPLB is enabled; it keeps its own logical-to-physical map (disable --enable-eplb)"
-    if _is_monolithic(quant):
+    if is_monolithic(quant):
         return _MONOLITHIC.format(quant.method_name)
     manager = experts.expert_map_manager
     if getattr(manager, "num_fused_shared_experts", 0):
@@ -194,7 +194,7 @@ def release_eplb_layer_state(runners: list, slots: int) -> None:
 _MONOLITHIC = "its MoE kernel ({}) routes internally from the router logits, so expert ids cannot be mapped after top-k"
 
 
-def _is_monolithic(quant) -> bool:
+def is_monolithic(quant) -> bool:
     """Whether the layer's kernel routes by itself; ``False`` while the kernel is not chosen yet
     (the self-check asks again after loading)."""
     try:
@@ -355,7 +355,7 @@ def self_check(runners: list, installed: list[LayerPlacement], num_tokens: int =
         if not isinstance(mapper, PhysicalIds):
             raise SemMoEConfigError(f"semmoe self-check: MoE layer {state.name}: the placement's id map is not installed")
         experts = runner.routed_experts
-        if _is_monolithic(experts.quant_method):
+        if is_monolithic(experts.quant_method):
             raise SemMoEConfigError(f"semmoe: cannot re-place experts of {model_class} exactly: MoE layer "
                                     f"{state.name}: " + _MONOLITHIC.format(experts.quant_method.method_name))
         device = state.l2p.device

@@ -3,7 +3,7 @@
 In vLLM's TP + expert-parallel MoE every rank runs its local experts for *all* B tokens and
 the partial outputs are all-reduced. Here instead, per MoE layer and forward step:
 
-1. all ranks compute the same schedule (:func:`vllm_semmoe.core.scheduling.tp_schedule` with the
+1. all ranks compute the same schedule (:class:`vllm_semmoe.core.schedulers.TpScheduler` with the
    Sem-MoE tables, or contiguous equal slices for other tables), i.e. the SRS permutation;
 2. rank ``r`` owns its ``ceil(B/E)`` scheduled tokens;
 3. activations whose expert is on this rank are computed here; every token is sent once to
@@ -12,7 +12,7 @@ the partial outputs are all-reduced. Here instead, per MoE layer and forward ste
 
 Two ways to run it, both exactly vLLM's MoE layer:
 
-- **MoE boundary** (any model on vLLM's fused MoE layer, :func:`shuffled_moe_forward`): vLLM's
+- **MoE boundary** (any model on vLLM's fused MoE layer, :class:`ShuffledRoutedExperts`): vLLM's
   own ``MoERunner.forward`` runs on the replicated input, so the gate (in the runner or the
   model's block), routing and its capture, shared experts and their gate, the routed scaling
   factor, routed input/output transforms and zero experts are vLLM's code; only the routed
@@ -31,6 +31,7 @@ Bytes sent in dispatch and combine and local/remote activations are counted per 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +39,7 @@ import torch
 
 from csrc_triton import sag_unpack, srs_pack
 
-from ..core import scheduling
+from ..core.schedulers import TpScheduler, scheduling_tables
 from ..core.tables import SemMoETables
 from . import compat
 from .ep_dispatch import comm_for, routed_exchange
@@ -52,9 +53,8 @@ class StepContext:
 
     Attributes:
         rows: ``[B]`` int64 table row of each token of the step (``-1``: unseen token).
-        experts: layer -> ``[B, K]`` logical experts of each token (TP-shuffle history).
-        major: layer -> ``[B]`` EP rank holding most of each token's experts (the history of
-            tables without the X table).
+        history: layer -> what the TP decision keeps of that layer's routing in this step
+            (:meth:`~vllm_semmoe.core.schedulers.TpScheduler.history`), for the next layers.
         recorder: the engine's routing recorder (``None``: not recording).
         counters: the engine's MoE exchange counters (a dict of :data:`~.state.MOE_COUNTER_KEYS`).
     """
@@ -62,110 +62,63 @@ class StepContext:
     def __init__(self, tokens: np.ndarray, tables: SemMoETables, recorder: RoutingRecorder | None,
                  counters: dict[str, float]):
         self.rows = tables.token_rows(tokens)
-        self.experts: dict[int, np.ndarray] = {}
-        self.major: dict[int, np.ndarray] = {}
+        self.history: dict[int, np.ndarray] = {}
         self.recorder = recorder
         self.counters = counters
 
 
 class TpShuffleLayer:
-    """Per-MoE-layer state: its index and the tables (counters live in the engine's state and
-    reach the layer through the step context).
-
-    The decision conditions on T2D and, where the tables have the X table, on the experts each
-    token activated at the two previous MoE layers (:func:`.scheduling.tp_expert_scores`; those
-    layers' routing is in the step context); older tables use the A table over the previous
-    layers' majority devices (:func:`.scheduling.tp_layer_scores`).
+    """One MoE layer of the engine's token shuffle: its index, the physical → logical map of its
+    placement, and the engine's :class:`~vllm_semmoe.core.schedulers.TpScheduler` (shared by the
+    layers; its PyTorch twin on a CUDA device). The decision itself is the scheduler's; this
+    keeps what is the engine's: the step's history and rows (the step context), the device the
+    activations are on. Counters live in the engine's state and reach the layer through the
+    step context.
     """
 
-    def __init__(self, layer: int, tables: SemMoETables):
+    def __init__(self, layer: int, tables: SemMoETables, scheduler: TpScheduler | None = None):
         self.layer = layer
         self.tables = tables
-        self.shuffle = tables.placement.method == "semmoe"
-        self.t2d = tables.t2d_score[layer].astype(np.float32)
+        self.scheduler = TpScheduler(scheduling_tables(tables)) if scheduler is None else scheduler
         self.p2l = tables.placement.physical_to_logical()[layer]  # physical slot -> logical expert
-        self.home = tables.placement.logical_to_physical()[layer]  # logical expert -> home slot
-        self.uses_experts = tables.transition is not None
-        if self.uses_experts:
-            self.evidence = tables.log_evidence()[layer]  # [2, N, N] (computed once per tables)
-            self.log_prior = tables.log_expert_prior()[layer]
-            self.holds = tables.placement.holds()[layer].astype(np.float32)  # [N, E]
-            self.weights = np.asarray(scheduling.TP_EVIDENCE_WEIGHTS, np.float64)
-        self._device_tables: dict = {}  # device -> tables as tensors for on-device decisions
+        self._on_device: dict = {}  # torch device -> the scheduler's PyTorch twin there
 
     def schedule(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device | None = None):
         """``(slot_token, token_slot, capacity)``, identical on every rank.
 
         With activations on a CUDA ``device`` the decision runs there, in PyTorch ops
-        (:func:`_schedule_on_device`: the same rule), and the index tensors stay there;
-        otherwise in Numba on the host (NumPy arrays).
+        (:meth:`on_device`: the same rule), and the index tensors stay there; otherwise in Numba
+        on the host (NumPy arrays).
         """
-        if self.shuffle and device is not None and device.type == "cuda":
-            return self._schedule_on_device(step, num_tokens, ep_size, device)
-        cap = scheduling.slice_capacity(num_tokens, ep_size)
-        if self.shuffle:
-            if self.uses_experts:
-                scores = scheduling.tp_expert_scores(
-                    step.rows, self.previous_experts(step, num_tokens), self.t2d, self.tables.oov_score[self.layer],
-                    self.evidence, self.log_prior, self.holds, self.weights)
-            else:
-                scores = scheduling.tp_layer_scores(
-                    step.rows, self._history(step, num_tokens, ep_size), self.t2d, self.tables.oov_score[self.layer],
-                    self.tables.markov[self.layer], scheduling.COMBINE_PRODUCT)
-            _, slot_token, token_slot = scheduling.tp_decide(scores, ep_size)
+        scheduler = self.scheduler
+        if not scheduler.schedules:  # contiguous slices of the whole batch
+            _, slot_token, token_slot, cap = scheduler.decide(self.layer, np.full(num_tokens, -1, np.int64), None,
+                                                              ep_size)
+            return slot_token, token_slot, cap
+        previous = scheduler.previous(self.layer, step.history, num_tokens)
+        if device is not None and device.type == "cuda":
+            _, slot_token, token_slot, cap = self.on_device(device).decide(self.layer, step.rows, previous, ep_size)
         else:
-            device = scheduling.contiguous_slices(num_tokens, ep_size)
-            slot_token, token_slot = scheduling.shuffle_permutation(device, ep_size, cap)
+            _, slot_token, token_slot, cap = scheduler.decide(self.layer, step.rows, previous, ep_size)
         return slot_token, token_slot, cap
 
+    def on_device(self, device: torch.device):
+        """The scheduler's PyTorch twin on ``device``
+        (:class:`~vllm_semmoe.kernels.scheduling_torch.TorchTpScheduler`, made once per device)."""
+        found = self._on_device.get(device)
+        if found is None:
+            from ..kernels.scheduling_torch import TorchTpScheduler
+
+            found = self._on_device[device] = TorchTpScheduler(self.scheduler, device)
+        return found
+
     def record(self, step: StepContext, physical_ids: np.ndarray, ep_size: int) -> np.ndarray:
-        """Keep this layer's routing ``[B, K]`` (physical ids, every token of the step) as history
-        for the next layers' decisions; returns it as logical ids."""
+        """Keep this layer's routing ``[B, K]`` (physical ids, every token of the step) as the
+        next layers' history (:meth:`~vllm_semmoe.core.schedulers.TpScheduler.history`); returns it
+        as logical ids (``ep_size``: the EP group's size, as :meth:`schedule` takes it)."""
         logical = self.p2l[physical_ids]
-        if self.uses_experts:
-            step.experts[self.layer] = logical
-        else:  # home copies: with replicas, ranks map other ranks' tokens to their own copies
-            step.major[self.layer] = _majority(self.home[logical], len(self.p2l) // ep_size, ep_size)
+        step.history[self.layer] = self.scheduler.history(self.layer, logical)
         return logical
-
-    def previous_experts(self, step: StepContext, num_tokens: int) -> np.ndarray:
-        """``[B, 2, K]`` logical experts of every token at the two previous MoE layers (``-1``:
-        not routed in this step, e.g. before the first layer)."""
-        prev = np.full((num_tokens, 2, self.tables.top_k), -1, np.int64)
-        for j in (1, 2):
-            ids = step.experts.get(self.layer - j)
-            if ids is not None and ids.shape == prev[:, j - 1].shape:
-                prev[:, j - 1] = ids
-        return prev
-
-    def _history(self, step: StepContext, num_tokens: int, ep_size: int) -> np.ndarray:
-        """``[B]`` ``d2 * E + d1`` of the two previous layers' majority devices (``-1``: unknown)."""
-        if self.layer >= 2 and (self.layer - 1) in step.major and (self.layer - 2) in step.major:
-            return step.major[self.layer - 2] * ep_size + step.major[self.layer - 1]
-        return np.full(num_tokens, -1, np.int64)
-
-    def _schedule_on_device(self, step: StepContext, num_tokens: int, ep_size: int, device: torch.device):
-        """:meth:`schedule` in PyTorch ops on ``device`` (index tensors returned there)."""
-        from ..kernels import scheduling_torch
-
-        tables = self._device_tables.get(device)
-        if tables is None:
-            arrays = ((self.t2d, self.tables.oov_score[self.layer], self.evidence, self.log_prior, self.holds)
-                      if self.uses_experts else
-                      (self.t2d, self.tables.oov_score[self.layer], self.tables.markov[self.layer]))
-            tables = self._device_tables[device] = tuple(
-                torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays)
-        rows = torch.from_numpy(step.rows).to(device, non_blocking=True)
-        if self.uses_experts:
-            prev = torch.from_numpy(self.previous_experts(step, num_tokens)).to(device)
-            t2d, oov, evidence, log_prior, holds = tables
-            scores = scheduling_torch.tp_expert_scores(rows, prev, t2d, oov, evidence, log_prior, holds,
-                                                       tuple(self.weights))
-        else:
-            history = torch.from_numpy(np.asarray(self._history(step, num_tokens, ep_size), np.int64)).to(device)
-            scores = scheduling_torch.tp_layer_scores(rows, history, *tables)
-        _, slot_token, token_slot = scheduling_torch.tp_decide(scores, ep_size)
-        return slot_token, token_slot, scheduling.slice_capacity(num_tokens, ep_size)
 
 
 def _index(indices, device: torch.device) -> torch.Tensor:
@@ -175,29 +128,46 @@ def _index(indices, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(indices)).to(device)
 
 
-def shuffled_moe_forward(runner, layer: TpShuffleLayer, moe_forward, step: StepContext, hidden_states,
-                         router_logits, *args, **kwargs):
-    """MoE-boundary variant (any model built on vLLM's fused MoE layer): vLLM's own
-    ``MoERunner.forward`` runs unchanged on the replicated ``[B, H]`` input (gate or the model's
-    router logits, routing with its capture hook, shared experts and their gate, the routed
-    scaling factor, input/output transforms, zero experts, the final TP all-reduce); only its
-    routed-experts stage is replaced by :func:`shuffled_routed_experts`: this rank computes the
-    complete routed output of *its* scheduled tokens (remote activations through the
-    all-to-all) and leaves the other rows zero, so vLLM's final all-reduce, which also sums the
-    TP-partial shared-expert output, yields every token's full output on every rank.
-    """
-    experts = runner.routed_experts
-    original = experts.forward_modular
+class ShuffledRoutedExperts:
+    """``RoutedExperts.forward_modular`` of one MoE layer on the MoE-boundary path (any model
+    built on vLLM's fused MoE layer), installed once with the engine
+    (:func:`install_shuffled_experts`).
 
-    def routed(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        return shuffled_routed_experts(original, layer, step, x, topk_weights, topk_ids,
+    vLLM's own ``MoERunner.forward`` runs unchanged on the replicated ``[B, H]`` input (gate or
+    the model's router logits, routing with its capture hook, shared experts and their gate, the
+    routed scaling factor, input/output transforms, zero experts, the final TP all-reduce); only
+    its routed-experts stage is this object. In a real step over the layer's ``B`` tokens (the
+    engine's current :class:`StepContext`) it runs :func:`shuffled_routed_experts`: this rank
+    computes the complete routed output of *its* scheduled tokens (remote activations through
+    the all-to-all) and leaves the other rows zero, so vLLM's final all-reduce, which also sums
+    the TP-partial shared-expert output, yields every token's full output on every rank.
+    Outside a real step (warm-up, profiling) or on a padded batch it is vLLM's own stage.
+    """
+
+    def __init__(self, forward_modular, layer: TpShuffleLayer, state):
+        self.forward_modular = forward_modular  # vLLM's, bound to the layer's RoutedExperts
+        self.layer = layer
+        self._state = weakref.ref(state)
+
+    def step(self, num_tokens: int) -> StepContext | None:
+        """The step context when a real step over ``num_tokens`` tokens is running, else ``None``."""
+        state = self._state()
+        step = None if state is None else state.step
+        return step if step is not None and num_tokens == len(step.rows) else None
+
+    def __call__(self, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        step = self.step(x.shape[0])
+        if step is None:
+            return self.forward_modular(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return shuffled_routed_experts(self.forward_modular, self.layer, step, x, topk_weights, topk_ids,
                                        shared_experts, shared_experts_input)
 
-    experts.forward_modular = routed
-    try:
-        return moe_forward(runner, hidden_states, router_logits, *args, **kwargs)
-    finally:
-        del experts.forward_modular
+
+def install_shuffled_experts(runner, layer: TpShuffleLayer, state) -> None:
+    """Make :class:`ShuffledRoutedExperts` the routed-experts stage of the MoE layer ``runner`` of
+    the engine whose :class:`~.state.EngineState` is ``state`` (held weakly)."""
+    experts = runner.routed_experts
+    experts.forward_modular = ShuffledRoutedExperts(experts.forward_modular, layer, state)
 
 
 def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepContext, x: torch.Tensor,
@@ -224,11 +194,6 @@ def shuffled_routed_experts(forward_modular, layer: TpShuffleLayer, step: StepCo
     step.counters["host_sync_s"] += time.perf_counter() - start
     layer.record(step, all_ids, world)
     return out
-
-
-def _majority(ids: np.ndarray, n_local: int, world: int) -> np.ndarray:
-    """``[B]``: the EP rank holding most of each token's chosen (physical) experts."""
-    return np.argmax(np.stack([(ids // n_local == d).sum(axis=1) for d in range(world)], axis=1), axis=1)
 
 
 def fused_decoder_forward(decoder, layer: TpShuffleLayer, positions, hidden_states, residual, step: StepContext):
