@@ -11,14 +11,23 @@ def triton_interpreter():
         yield
 
 
-#: Files that start vLLM engines or solve the full trace, in the order they are handed out. Under
-#: ``scripts/test.sh`` (``pytest -n 3 --dist loadfile``) each process takes whole files in
-#: collection order, two at the start: the three longest first, then the three next in reverse
-#: (so the longest pairs with the shortest of them), the short files filling in around them; a
-#: file keeps its own test order.
-LONGEST_FIRST = ("test_architectures.py", "test_cpu_parallel.py", "test_dp_routing.py", "test_plugin.py",
-                 "test_durable_capture.py", "test_compiled.py", "test_bench_serve_repeat.py", "test_acceptance.py",
-                 "test_multinode.py", "test_capture_honesty.py", "test_serve.py")
+#: Files that start vLLM engines or solve the full trace, longest first: the order they are handed
+#: out in. Under ``scripts/test.sh`` (``pytest -n 3 --dist loadfile``) each process starts with
+#: one whole file and takes the next file in collection order when it is within two tests of the
+#: end of its own (pytest-xdist's rule), the short files filling in after these; a file keeps its
+#: own test order.
+LONGEST_FIRST = ("test_cpu_parallel.py", "test_compiled.py", "test_architectures.py", "test_dp_routing.py",
+                 "test_durable_capture.py", "test_multinode.py", "test_acceptance.py", "test_capture_honesty.py",
+                 "test_serve.py", "test_plugin.py", "test_engine_state.py", "test_tiny_moe_asset.py",
+                 "test_profile_cli.py")
+
+
+def pytest_configure(config):
+    """Keep :data:`LONGEST_FIRST`'s order under ``--dist loadfile``: pytest-xdist otherwise hands
+    files out by how many tests each holds (``--loadscope-reorder``, its default), which sends the
+    engine files of few tests (one in ``test_multinode.py``) out last, to run alone at the end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """``semmoe bench-serve --repeat N``: the interleaved run order and the median / spread of each
-policy's repetitions (pure functions, no engine)."""
+policy's repetitions (pure functions, no engine). The command's real interleaved runs are
+checked on the DP 2 servers of ``test_dp_routing.py`` (``test_bench_serve_repeat_interleaves_real_runs``)."""
 
 import json
 import statistics
@@ -89,40 +90,3 @@ def test_repeat_below_one_is_the_sub_commands_error(capsys):
         main(["bench-serve", "--repeat", "0"])
     assert exit_info.value.code == 2
     assert "--repeat" in capsys.readouterr().err
-
-
-def test_bench_serve_repeat_interleaves_real_runs(tmp_path, monkeypatch, capsys):
-    """``semmoe bench-serve --dp 2 --policy vllm,sparse --repeat 2`` on the tiny model, a handful
-    of prompts: four servers in the order vllm, sparse, sparse, vllm; each policy's keys are the
-    medians of its two repetitions, every repetition is under ``repeats``, and the sparse
-    dispatch gives stock vLLM's text in every repetition."""
-    from vllm_semmoe.assets import tiny_moe_path
-    from vllm_semmoe.core.synthetic import synthetic_trace
-    from shared_fixtures import DATA_DIR
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    trace = tmp_path / "profile.npz"  # both policies place experts as stock vLLM does: the trace only shapes the tables
-    synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40).save(trace)
-    out = tmp_path / "bench.json"
-    prompts = 4
-    dataset = str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz")
-    rc = main(["bench-serve", "--model", str(tiny_moe_path()), "--dataset", dataset,
-               "--dp", "2", "--policy", "vllm,sparse", "--repeat", "2", "--num-prompts", str(prompts),
-               "--concurrency", "2", "--max-tokens", "4", "--enforce-eager", "--profile-trace", str(trace),
-               "--workdir", str(tmp_path / "work"), "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
-    result = json.loads(out.read_text())
-    runs = result["runs"]
-    assert [[(r["repetition"], r["order"]) for r in runs[p]["repeats"]] for p in ("vllm", "sparse")] == \
-        [[(0, 0), (1, 3)], [(0, 1), (1, 2)]]
-    for policy, run in runs.items():
-        assert run["repeat"] == 2 and run["ok"] == 2 * prompts and run["failed"] == 0
-        for key in REPEAT_KEYS:
-            values = [r[key] for r in run["repeats"]]
-            assert run[key] == pytest.approx(statistics.median(values)), (policy, key)
-            assert run["spread"][key]["min"] == min(values) and run["spread"][key]["max"] == max(values)
-        assert all(r["ok"] == prompts and r["policy"] == policy for r in run["repeats"])
-    assert runs["sparse"]["moe_bytes_per_token"] < runs["vllm"]["moe_bytes_per_token"]
-    assert result["outputs_identical"] and "outputs identical across policies and repetitions" in printed
-    assert "median of 2 interleaved repetitions" in printed

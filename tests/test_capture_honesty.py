@@ -262,18 +262,12 @@ class _Kernel:
 
 
 class _Experts:
-    """The part of vLLM's ``RoutedExperts`` the dispatch decision reads: its two forward entries and
-    its quant method's modular kernel (``None``: no modular kernel)."""
+    """The part of vLLM's ``RoutedExperts`` the dispatch decision reads: whether its kernel is
+    monolithic and its quant method's modular kernel (``None``: no modular kernel)."""
 
-    def __init__(self, stage, has_kernel=True):
-        self.quant_method = type("Quant", (), {"moe_kernel": _Kernel(stage) if has_kernel else None})()
-        self.calls = []
-
-    def forward_modular(self, *args):
-        self.calls.append("modular")
-
-    def forward_monolithic(self, *args):
-        self.calls.append("monolithic")
+    def __init__(self, stage, has_kernel=True, monolithic=False):
+        self.quant_method = type("Quant", (), {"moe_kernel": _Kernel(stage) if has_kernel else None,
+                                               "is_monolithic": monolithic})()
 
 
 class _Runner:
@@ -286,15 +280,13 @@ def test_a_dispatch_stage_the_meter_cannot_replace_is_reported_unmetered(tmp_pat
         MoEPrepareAndFinalizeNaiveDPEPModular)
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
 
-    def decide(experts, naive=False, monolithic=False):
+    from vllm_semmoe.vllm_adapter.patches.prepare_finalize import use_stage
+
+    def decide(experts, naive=False):
         failures = {}
-        runner = _Runner(experts, naive)
         replaced = []
-        ep_dispatch._on_first_forward(runner, lambda stage: replaced.append(stage) or stage,
-                                      functools.partial(ep_dispatch.report_unmetered, dp_rank=0, failures=failures))
-        (experts.forward_monolithic if monolithic else experts.forward_modular)()
-        assert "forward_modular" not in vars(experts) and "forward_monolithic" not in vars(experts)  # decided once
-        assert experts.calls == ["monolithic" if monolithic else "modular"]  # vLLM's forward still runs
+        use_stage(_Runner(experts, naive), lambda stage: replaced.append(stage) or stage,
+                  functools.partial(ep_dispatch.report_unmetered, dp_rank=0, failures=failures))
         return failures.get("unmetered"), replaced
 
     allgather = MoEPrepareAndFinalizeNaiveDPEPModular(num_dispatchers=2)
@@ -303,7 +295,7 @@ def test_a_dispatch_stage_the_meter_cannot_replace_is_reported_unmetered(tmp_pat
     assert not replaced and "moves tokens with MoEPrepareAndFinalizeNoDPEPModular" in reason
     assert "not counted" in reason
     assert "all-gathers every token to every rank itself" in decide(_Experts(None, has_kernel=False), naive=True)[0]
-    assert "monolithic kernel" in decide(_Experts(None), monolithic=True)[0]
+    assert "monolithic kernel" in decide(_Experts(None, monolithic=True))[0]
     assert any(r.levelname == "WARNING" and "not counted" in r.getMessage() for r in caplog.records)
     assert _exposition(status_dir)["unmetered_moe_layers_total"] == 3
 

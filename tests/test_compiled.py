@@ -20,13 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.tools.bench_serve import wait_healthy
 
 pytest.importorskip("vllm")
 
@@ -172,25 +171,13 @@ def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: 
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
            "--data-parallel-address", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "256", "--seed", "0"]
     log = tmp_path / "serve.log"
-    started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=_engine_env(tmp_path), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
     try:
-        deadline = time.monotonic() + 3 * SERVER_START_TIMEOUT_S  # two engines compile on 2 shared cores
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode} during start-up\n{_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy in time\n{_tail(log)}")
-            time.sleep(1.0)
-        print(f"serve DP 2 compiled: healthy after {time.monotonic() - started:.0f} s")
+        # two engines compile on 2 shared cores
+        waited = wait_healthy(base, proc, 3 * SERVER_START_TIMEOUT_S, log)
+        print(f"serve DP 2 compiled: healthy after {waited:.0f} s")
         problems = []
         for i, prompt in enumerate(PROMPTS):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,

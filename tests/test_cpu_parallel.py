@@ -1,7 +1,7 @@
 """vLLM's parallel modes on CPU with the plugin's CPU fixes (``vllm_adapter/cpu_fixes.py``).
 
 * Unit tests (in-process, seconds): the expert-parallel ``apply`` wrapper against the unpatched
-  kernel; the version/platform guard; ``CpuCommunicator.all_gatherv`` / ``reduce_scatterv`` over
+  kernel (the version/platform guard: ``test_patches.py``); ``CpuCommunicator.all_gatherv`` / ``reduce_scatterv`` over
   gloo with two rank processes (both the torch.distributed and the shared-memory backends).
 * Engine tests (multi-process, about a minute or two each on a 2-core machine): tensor parallel 2
   with expert parallel (``LLM``, ``mp`` executor), and ``vllm serve`` with data parallel 2 and
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 import os
 import shutil
 import signal
@@ -34,6 +33,7 @@ import pytest
 
 from shared_fixtures import DATA_DIR
 from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.tools.bench_serve import wait_healthy
 
 pytest.importorskip("vllm")
 
@@ -56,6 +56,8 @@ MIN_REFERENCE_MARGIN = 0.06
 #: how many of PROMPTS must have a clear reference path (:func:`clear_outputs`)
 MIN_CLEAR_PROMPTS = 3
 ENGINE_TIMEOUT_S = 240
+#: the first ShareGPT prompt of :func:`sharegpt_profile`
+SHAREGPT_PROFILE_SKIP = 3000
 SERVER_START_TIMEOUT_S = 300
 
 
@@ -257,92 +259,10 @@ def sharegpt_profile(tmp_path_factory: pytest.TempPathFactory):
     from vllm_semmoe.tools.engine import run_prompts
 
     path = tmp_path_factory.mktemp("sharegpt_profile") / "profile.npz"
-    run_prompts(str(tiny_moe_path()), load_prompts(str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"), 80, skip=3000),
+    run_prompts(str(tiny_moe_path()), load_prompts(str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz"), 80,
+                                                   skip=SHAREGPT_PROFILE_SKIP),
                 max_tokens=8, semmoe={"capture": str(path)})
     return load_trace(path)
-
-
-@pytest.fixture()
-def fake_targets(monkeypatch: pytest.MonkeyPatch):
-    """Point the fixes at throw-away classes, to test the guard without touching vLLM."""
-    from vllm_semmoe.vllm_adapter import cpu_fixes
-
-    def orig_apply(self, *args):
-        return "orig"
-
-    def not_implemented(self, *args, **kwargs):
-        raise NotImplementedError
-
-    moe = types.ModuleType("semmoe_fake_cpu_moe")
-    moe.Experts = type("Experts", (), {"apply": orig_apply})
-    comm = types.ModuleType("semmoe_fake_comm")
-    comm.Comm = type("Comm", (), {"all_gatherv": not_implemented,
-                                  "reduce_scatterv": not_implemented})
-    monkeypatch.setitem(sys.modules, moe.__name__, moe)
-    monkeypatch.setitem(sys.modules, comm.__name__, comm)
-    monkeypatch.setattr(cpu_fixes, "_TARGETS", (
-        (moe.__name__, "Experts", "apply"),
-        (comm.__name__, "Comm", "all_gatherv"),
-        (comm.__name__, "Comm", "reduce_scatterv"),
-    ))
-    monkeypatch.setattr(cpu_fixes, "_APPLIED", False)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    cpu_fixes.logger.addHandler(handler)
-    old_level = cpu_fixes.logger.level
-    cpu_fixes.logger.setLevel(logging.DEBUG)
-    yield types.SimpleNamespace(fixes=cpu_fixes, moe=moe, comm=comm, records=records,
-                                orig_apply=orig_apply, monkeypatch=monkeypatch)
-    cpu_fixes.logger.removeHandler(handler)
-    cpu_fixes.logger.setLevel(old_level)
-
-
-def test_guard_patches_only_cpu_032(fake_targets) -> None:
-    """0.32.x on CPU patches; another version or another platform leaves the targets alone."""
-    f = fake_targets
-    f.monkeypatch.setattr(f.fixes, "_vllm_version", lambda: "0.33.0")
-    f.fixes.apply_cpu_fixes()
-    assert f.moe.Experts.__dict__["apply"] is f.orig_apply
-    assert not hasattr(f.comm.Comm.__dict__["all_gatherv"], f.fixes.PATCH_MARKER)
-    assert any("not applied on vLLM 0.33.0" in r.getMessage() for r in f.records)
-
-    f.monkeypatch.setattr(f.fixes, "_APPLIED", False)
-    f.monkeypatch.setattr(f.fixes, "_vllm_version", lambda: "0.32.3+cpu")
-    f.monkeypatch.setattr(f.fixes, "_is_cpu_platform", lambda: False)
-    f.fixes.apply_cpu_fixes()
-    assert f.moe.Experts.__dict__["apply"] is f.orig_apply
-
-    f.monkeypatch.setattr(f.fixes, "_APPLIED", False)
-    f.monkeypatch.setattr(f.fixes, "_is_cpu_platform", lambda: True)
-    f.fixes.apply_cpu_fixes()
-    assert f.moe.Experts.__dict__["apply"].__semmoe_original__ is f.orig_apply
-    assert f.comm.Comm.__dict__["all_gatherv"] is f.fixes._cpu_all_gatherv
-    assert f.comm.Comm.__dict__["reduce_scatterv"] is f.fixes._cpu_reduce_scatterv
-
-
-def test_guard_missing_target(fake_targets) -> None:
-    """A missing target: a warning naming it on other versions, a RuntimeError on 0.32."""
-    f = fake_targets
-    del f.comm.Comm.reduce_scatterv
-    f.monkeypatch.setattr(f.fixes, "_is_cpu_platform", lambda: True)
-    f.monkeypatch.setattr(f.fixes, "_vllm_version", lambda: "0.40.1")
-    f.fixes.apply_cpu_fixes()  # must not raise
-    warnings = [r.getMessage() for r in f.records if r.levelno == logging.WARNING]
-    assert any("semmoe_fake_comm.Comm.reduce_scatterv" in w for w in warnings), warnings
-    assert f.moe.Experts.__dict__["apply"] is f.orig_apply
-
-    f.monkeypatch.setattr(f.fixes, "_APPLIED", False)
-    f.monkeypatch.setattr(f.fixes, "_vllm_version", lambda: "0.32.0")
-    with pytest.raises(RuntimeError, match=r"semmoe_fake_comm\.Comm\.reduce_scatterv"):
-        f.fixes.apply_cpu_fixes()
-
-    f.monkeypatch.setattr(f.fixes, "_APPLIED", False)
-    f.monkeypatch.delitem(sys.modules, "semmoe_fake_cpu_moe")
-    f.monkeypatch.setattr(f.fixes, "_TARGETS", (("semmoe_no_such_module", "X", "apply"),)
-                          + f.fixes._TARGETS[1:])
-    with pytest.raises(RuntimeError, match="semmoe_no_such_module"):
-        f.fixes.apply_cpu_fixes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,21 +583,7 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
                                 start_new_session=True)
     clean_exit = False
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode} during start-up\n"
-                            f"{_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {SERVER_START_TIMEOUT_S} s\n"
-                            f"{_tail(log)}")
-            time.sleep(1.0)
+        wait_healthy(base, proc, SERVER_START_TIMEOUT_S, log)
 
         def complete(i: int, rank: int | None):
             body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS,
@@ -797,14 +703,35 @@ def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = F
     return json.loads(out.read_text())
 
 
-def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tp2_semmoe(sharegpt_profile, tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    """TP=2 + EP in ``tp`` mode with Sem-MoE tables solved on :func:`sharegpt_profile` without
+    replica slots, served once (:func:`_run_shuffle`, with each rank's expert fingerprints) for
+    the tests that compare it with vanilla tables and with one replica slot per rank:
+    ``placement``, ``tables``, the engine's ``result`` and its ``capture`` path."""
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.tables import build_tables
+
+    tmp = tmp_path_factory.mktemp("tp2_semmoe")
+    placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp")
+    assert placement.redundant == 0
+    tables = build_tables(sharegpt_profile, placement, mode="tp")
+    tables.save(tmp / "semmoe")
+    capture = tmp / "semmoe_served.npz"
+    result = _run_shuffle(tmp, "semmoe", {"tables": str(tmp / "semmoe"), "mode": "tp", "capture": str(capture)},
+                          fingerprints=True)
+    return types.SimpleNamespace(placement=placement, tables=tables, result=result, capture=capture)
+
+
+def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tp2_semmoe,
+                             tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode: tokens scheduled to their experts' rank, real all-to-all of the
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
     all-to-all actually moved drop (vs the same pipeline with contiguous slices and vLLM's
     placement) by at least what the offline evaluation predicts, less 2 points of LAR. The
     prediction is :func:`vllm_semmoe.evaluation.evaluate.evaluate` (what ``semmoe eval`` runs) on the
     captured routing with the engine's own batches (its forward steps: one prefill, then
-    4-token decodes), as the plugin's live meter computes it."""
+    4-token decodes), as the capture summary's replay computes it."""
     from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
     from vllm_semmoe.core.policy import get_policy
     from vllm_semmoe.core.tables import build_tables
@@ -813,18 +740,23 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_p
 
     runs = {}
     for method in ("vanilla", "semmoe"):
-        placement = get_policy(method).solve(sharegpt_profile, 2, mode="tp")
-        tables = build_tables(sharegpt_profile, placement, mode="tp")
-        tables.save(tmp_path / method)
-        result = _run_shuffle(tmp_path, method, {"tables": str(tmp_path / method), "mode": "tp",
-                                                 "capture": str(tmp_path / f"{method}_served.npz")})
+        if method == "semmoe":  # the module's Sem-MoE tp-mode engine
+            placement, tables, result, capture = (tp2_semmoe.placement, tp2_semmoe.tables, tp2_semmoe.result,
+                                                  tp2_semmoe.capture)
+        else:
+            placement = get_policy(method).solve(sharegpt_profile, 2, mode="tp")
+            tables = build_tables(sharegpt_profile, placement, mode="tp")
+            tables.save(tmp_path / method)
+            capture = tmp_path / f"{method}_served.npz"
+            result = _run_shuffle(tmp_path, method, {"tables": str(tmp_path / method), "mode": "tp",
+                                                     "capture": str(capture)})
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {method} tables")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
         # the shuffle ran fused into the collectives in every MoE layer of every real step
         assert all(c["fused_layers_run"] == c["layers_run"] > 0 for c in counters), counters
         local = sum(c["local_activations"] for c in counters)
         remote = sum(c["remote_activations"] for c in counters)
-        served = load_trace(tmp_path / f"{method}_served.npz")
+        served = load_trace(capture)
         batch_512 = evaluate(served, placement, tables if method == "semmoe" else None, EvalConfig(mode="tp"))
         runs[method] = {"lar": local / (local + remote), "replayed": result["summaries"][0]["replayed"]["lar"],
                         "offline_512_token_batches": batch_512["lar"],
@@ -864,7 +796,8 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tmp_p
     assert total["semmoe"] < total["vanilla"], total
 
 
-def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profile, tmp_path: Path) -> None:
+def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profile, tp2_semmoe,
+                                     tmp_path: Path) -> None:
     """TP=2 + EP in ``tp`` mode with tables solved with one replica slot per rank (``--redundant
     1``): the MoE layers are built with vLLM EPLB's layout of ``E * R`` redundant slots, each
     rank's ``N/E + R`` slots hold the checkpoint experts the placement gives it (weights compared
@@ -876,11 +809,15 @@ def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profil
 
     runs = {}
     for R in (0, 1):
-        placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp", redundant=R)
-        assert placement.redundant == R
-        build_tables(sharegpt_profile, placement, mode="tp").save(tmp_path / f"r{R}")
-        result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
-                                                   "capture": str(tmp_path / f"r{R}_served.npz")}, fingerprints=True)
+        if R == 0:  # the module's Sem-MoE tp-mode engine
+            placement, result = tp2_semmoe.placement, tp2_semmoe.result
+        else:
+            placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp", redundant=R)
+            assert placement.redundant == R
+            build_tables(sharegpt_profile, placement, mode="tp").save(tmp_path / f"r{R}")
+            result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
+                                                       "capture": str(tmp_path / f"r{R}_served.npz")},
+                                  fingerprints=True)
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
         _assert_slots_hold_placement(result["fingerprints"], placement, f"TP=2 + EP, {R} replica slot(s)")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
@@ -936,7 +873,7 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sh
     assert abs(run["lar"] - run["replayed"]) <= 0.02, run
 
 
-def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
+def test_bench_serve_tp2_counts_every_collective(sharegpt_profile, tmp_path: Path) -> None:
     """``semmoe bench-serve --tp 2``: stock vLLM TP 2 + EP, the shuffled pipeline on contiguous
     slices and Sem-MoE's mode ``tp``, served back to back; each TP rank's counters file holds what
     its collectives sent. Stock: all-reduces only (closed form), no exchange; the shuffle: an
@@ -945,8 +882,12 @@ def test_bench_serve_tp2_counts_every_collective(tmp_path: Path) -> None:
     from shared_fixtures import DATA_DIR
 
     dataset = str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz")
+    # the tables are solved on the module's ShareGPT profile; the served prompts are the ones after its own
+    profile = tmp_path / "profile.npz"
+    sharegpt_profile.save(profile)
     runs = {policy: run_bench_serve(str(tiny_moe_path()), dataset, str(tmp_path), dp=1, tp=2, policy=policy,
-                                    num_prompts=16, concurrency=4, max_tokens=8, profile_prompts=60)
+                                    num_prompts=16, concurrency=4, max_tokens=8, profile_trace=str(profile),
+                                    profile_prompts=sharegpt_profile.num_requests, skip=SHAREGPT_PROFILE_SKIP)
             for policy in ("vllm", "contiguous", "semmoe")}
     print("bench-serve TP 2:", json.dumps({p: {k: r[k] for k in ("moe_bytes_per_token", "moe_bytes", "live_lar",
                                                                    "tokens")} for p, r in runs.items()}))

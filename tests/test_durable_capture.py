@@ -125,16 +125,15 @@ def test_stale_file_and_parts_together_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["vanilla", "semmoe"])
-def test_replay_meter_in_chunks_equals_evaluate_on_all_steps(method):
-    """The recorder keeps no history: live LAR is accumulated chunk by chunk, and must equal
-    ``evaluate`` on all steps at once (one batch per step)."""
-    from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
-    from vllm_semmoe.vllm_adapter.capture import ReplayMeter
+def test_step_replay_in_chunks_equals_evaluate_on_all_steps(method):
+    """The capture's replay keeps no steps: its figures are accumulated chunk by chunk, and must
+    equal ``evaluate`` on all steps at once (one batch per step)."""
+    from vllm_semmoe.evaluation.evaluate import EvalConfig, StepReplay, evaluate
 
     trace = synthetic_trace(num_layers=4, num_experts=16, top_k=2, vocab_size=300, num_requests=30)
     tables = build_tables(trace, get_policy(method).solve(trace, 4))
     steps = trace  # every "request" of the trace plays one engine step
-    meter = ReplayMeter(tables, vocab_size=trace.vocab_size)
+    meter = StepReplay(tables, vocab_size=trace.vocab_size)
     lengths = np.diff(steps.offsets)
     for chunk in np.array_split(np.arange(steps.num_requests), 4):
         rows = slice(steps.offsets[chunk[0]], steps.offsets[chunk[-1] + 1])

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.tools.bench_serve import wait_healthy
 
 pytest.importorskip("vllm")
 
@@ -141,25 +142,11 @@ def deployment(tmp_path_factory):
         nodes[rank] = {"home": home, "log": log, "capture": home / CAPTURE,
                        "proc": _start(_node_command(tables, home / CAPTURE, rpc_port, *extra), env, log)}
     base = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
     try:
-        deadline = started + 3 * SERVER_START_TIMEOUT_S  # three process trees start on shared cores
-        while True:
-            for rank, node in nodes.items():
-                if node["proc"].poll() is not None:
-                    pytest.fail(f"node {rank} exited with {node['proc'].returncode} during start-up\n"
-                                + "\n".join(f"--- node {r} ---\n{_tail(n['log'], 40)}" for r, n in nodes.items()))
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("node 0 not healthy in time\n"
-                            + "\n".join(f"--- node {r} ---\n{_tail(n['log'], 40)}" for r, n in nodes.items()))
-            time.sleep(1.0)
-        print(f"two-node DP 2: healthy after {time.monotonic() - started:.0f} s")
+        # three process trees start on shared cores; node 0's API server answers for both
+        waited = wait_healthy(base, [nodes[r]["proc"] for r in range(DP)], 3 * SERVER_START_TIMEOUT_S,
+                              [nodes[r]["log"] for r in range(DP)])
+        print(f"two-node DP 2: healthy after {waited:.0f} s")
         yield {"base": base, "tables": tables, "nodes": nodes, "tmp": tmp}
     finally:
         for node in nodes.values():

@@ -37,6 +37,48 @@ def test_serve_command_builds_additional_config():
         serve_command(["--tables", "/t"])
 
 
+def test_wait_healthy_watches_every_process_and_shows_their_logs(tmp_path):
+    """``wait_healthy`` (every server start of bench-serve and the serving tests): returns once
+    ``/health`` answers 200 while the processes run; fails naming the process that exited and
+    showing every process's log; fails after the timeout; refuses processes without a log each."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    for rank, path in enumerate(logs):
+        path.write_text(f"node {rank} says hello\n")
+    waiting = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in logs]
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        up = f"http://127.0.0.1:{httpd.server_port}"
+        assert 0 <= wait_healthy(up, waiting, 30, logs) < 30
+        assert wait_healthy(up, waiting[0], 30, str(logs[0])) >= 0  # one process, one log
+        down = f"http://127.0.0.1:{free_port()}"
+        with pytest.raises(RuntimeError, match="process 1 of 2 exited with code 3") as failed:
+            wait_healthy(down, [waiting[0], exited], 30, logs)
+        assert "node 0 says hello" in str(failed.value) and "node 1 says hello" in str(failed.value)
+        with pytest.raises(RuntimeError, match=r"not healthy after 1 s\n--- .*node0.log ---\nnode 0 says hello"):
+            wait_healthy(down, waiting[0], 1, logs[0])
+        with pytest.raises(ValueError, match="2 processes but 1 logs"):
+            wait_healthy(up, waiting, 30, logs[0])
+    finally:
+        httpd.shutdown()
+        for proc in waiting:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")

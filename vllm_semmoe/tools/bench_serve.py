@@ -288,21 +288,43 @@ def _fit(model: str, prompts: list[str], budget: int) -> list[list[int]]:
     return [tokenizer.encode(p)[-budget:] for p in prompts]
 
 
-def wait_healthy(base: str, server, timeout: float, log_path: str) -> None:
-    """Poll ``base/health`` until 200; raise with the log's tail if the server exits or times out."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if server.poll() is not None:
-            with open(log_path) as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"server exited with code {server.returncode}:\n{tail}")
+def wait_healthy(base: str, servers, timeout: float, logs) -> float:
+    """Poll ``base/health`` until 200 and return the seconds it took. ``servers``: the server's
+    process, or several processes that together serve ``base`` (the nodes of a multi-node
+    deployment); ``logs``: their log path(s), one per process. ``RuntimeError`` with the tail of
+    every log when one of the processes exits or ``timeout`` seconds pass first."""
+    servers = list(servers) if isinstance(servers, (list, tuple)) else [servers]
+    logs = [str(path) for path in logs] if isinstance(logs, (list, tuple)) else [str(logs)]
+    if len(logs) != len(servers):
+        raise ValueError(f"wait_healthy: {len(servers)} processes but {len(logs)} logs")
+    started = time.monotonic()
+    while True:
+        for index, server in enumerate(servers):
+            if server.poll() is not None:
+                which = "server" if len(servers) == 1 else f"process {index} of {len(servers)}"
+                raise RuntimeError(f"{which} exited with code {server.returncode} during start-up\n"
+                                   + _log_tails(logs))
         try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as response:
+            with urllib.request.urlopen(base + "/health", timeout=5) as response:
                 if response.status == 200:
-                    return
+                    return time.monotonic() - started
         except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s (log: {log_path})")
+            pass
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"{base} not healthy after {timeout:.0f} s\n" + _log_tails(logs))
+        time.sleep(1.0)
+
+
+def _log_tails(logs: list[str], chars: int = 3000) -> str:
+    """The last ``chars`` characters of each log, headed by its path."""
+    tails = []
+    for path in logs:
+        try:
+            with open(path, errors="replace") as f:
+                tails.append(f"--- {path} ---\n{f.read()[-chars:]}")
+        except OSError as exc:
+            tails.append(f"--- {path} --- (unreadable: {exc})")
+    return "\n".join(tails)
 
 
 def stop_server(server) -> int:
