@@ -736,6 +736,20 @@ def moe_runner_class():
     return MoERunner
 
 
+def base_router_class():
+    """vLLM's router base class, whose select step the placement's EPLB-map hook relies on."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    return BaseRouter
+
+
+def zero_expert_router_class():
+    """vLLM's router for models with zero (identity) experts, which the fused TP path leaves alone."""
+    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+
+    return ZeroExpertRouter
+
+
 def topk_indices_dtype(runner):
     return runner._quant_method.topk_indices_dtype
 

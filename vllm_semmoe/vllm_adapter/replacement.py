@@ -65,9 +65,8 @@ SELF_CHECK_TOKENS = 64
 
 def moe_runners(model: torch.nn.Module) -> list:
     """The model's MoE layers (vLLM ``MoERunner`` modules) in forward order."""
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-    return [m for m in model.modules() if isinstance(m, MoERunner)]
+    runner_class = compat.moe_runner_class()
+    return [m for m in model.modules() if isinstance(m, runner_class)]
 
 
 def check_model_shape(runners: list, num_layers: int, num_experts: int, what: str) -> None:
@@ -145,15 +144,13 @@ class PhysicalIds:
 def unsupported_reason(model: torch.nn.Module, runner, redundant_slots: int = 0) -> str | None:
     """Why re-placement cannot be exact on this MoE layer (``None``: it can), for a placement
     with ``redundant_slots`` replica slots in all (``E * R``)."""
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
     experts = runner.routed_experts
     router = runner.router
     quant = experts.quant_method
     strategy = str(getattr(experts, "expert_placement_strategy", "linear")).lower().split(".")[-1]
     if strategy not in ("linear", "none"):
         return f"needs vLLM's linear expert placement, got {strategy!r} (drop --expert-placement-strategy)"
-    if not isinstance(router, BaseRouter):
+    if not isinstance(router, compat.base_router_class()):
         return f"its router {type(router).__name__} does not select experts through vLLM's BaseRouter"
     # layers built for replica slots read as EPLB's (their empty EPLB state is released first)
     if router.eplb_state is not None or (experts.moe_config.moe_parallel_config.enable_eplb and not redundant_slots):

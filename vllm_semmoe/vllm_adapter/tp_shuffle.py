@@ -262,8 +262,6 @@ def fusable_runner(decoder, tp_layers: dict):
     without sequence parallelism. (Qwen3-MoE's decoder layer is one; DeepSeek's, with shared
     experts, and Mixtral's, whose router is outside the runner, are not and keep the
     MoE-boundary path, which runs vLLM's whole MoE layer.)"""
-    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
-
     mlp, attn = getattr(decoder, "mlp", None), getattr(decoder, "self_attn", None)
     runner = getattr(mlp, "experts", None)
     if getattr(runner, "layer_name", None) not in tp_layers \
@@ -277,7 +275,7 @@ def fusable_runner(decoder, tp_layers: dict):
         return None
     if (runner.gate is None or runner.shared_experts is not None or runner.routed_input_transform is not None
             or runner.routed_output_transform is not None or runner.routed_scaling_factor != 1.0
-            or isinstance(runner.router, ZeroExpertRouter) or runner.moe_config.is_sequence_parallel
+            or isinstance(runner.router, compat.zero_expert_router_class()) or runner.moe_config.is_sequence_parallel
             or getattr(mlp, "is_sequence_parallel", False)):
         return None
     return runner
