@@ -49,7 +49,7 @@ GRID_METHODS = ("vanilla", "eplb", "moetuner", "semmoe")
 GRID_REDUNDANT = (0, 1, 2)
 GRID_BATCHES = (128, 4096)  # decode-sized and prefill-sized steps (tokens per step over all ranks)
 GRID_SHAPES = (DSV2_LITE, DSV3_WIDTH)  # V3's widths are a what-if on the trace's own experts and top-k
-#: the columns every row has (the issue's flat-row contract), in order
+#: the columns every row has (the grid's documented flat-row contract), in order
 ROW_KEYS = ("mode", "method", "redundant", "hardware", "calibrated", "nodes", "batch_tokens", "hidden",
             "expert_intermediate", "lar", "dispatch_us", "combine_us", "experts_us", "total_us", "time_bound_us",
             "time_ratio_vs_vanilla")
