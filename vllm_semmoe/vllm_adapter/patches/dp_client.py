@@ -33,8 +33,8 @@ def make_api_server_state(vllm_config, ranks: list[int]) -> ApiServerState | Non
     router = DpRouter(tables, vllm_config.parallel_config.data_parallel_size, ranks=ranks,
                       balance=config.dp_balance, slack=config.dp_slack,
                       decode_weight=config.dp_decode_weight, price_step=config.dp_price_step)
-    logger.info("semmoe: Sem-MoE DP routing over DP ranks %s (balance %.3g, price step %.3g, decode weight %.0f, "
-                "guard slack %.1f)", ranks, config.dp_balance, config.dp_price_step, config.dp_decode_weight,
+    logger.info("semmoe: Sem-MoE DP routing over %d ranks %s (balance %.3g, price step %.3g, decode weight %.0f, "
+                "guard slack %.1f)", len(ranks), ranks, config.dp_balance, config.dp_price_step, config.dp_decode_weight,
                 config.dp_slack)
     return ApiServerState(config=config, tables=tables, dp_router=router)
 
