@@ -12,7 +12,7 @@ import torch
 
 from vllm_semmoe.core import scheduling
 from vllm_semmoe.kernels import scheduling_torch
-from vllm_semmoe.core.schedulers import previous_experts
+from vllm_semmoe.core.schedulers import TpScheduler
 from vllm_semmoe.core.policy import get_policy
 from vllm_semmoe.core.tables import build_tables
 
@@ -24,7 +24,8 @@ def batch(dev_trace):
     tables = build_tables(profile, placement, mode="tp")
     layer = 10
     rows = tables.token_rows(trace.tokens)[:512]
-    prev = previous_experts(trace.experts[:512].astype(np.int64), layer)
+    experts = trace.experts[:512].astype(np.int64)
+    prev = TpScheduler(tables).previous(layer, {l: experts[:, l] for l in range(layer)}, len(experts))
     return (rows, prev, tables.t2d_score[layer].astype(np.float32), tables.oov_score[layer],
             tables.log_evidence()[layer], tables.log_expert_prior()[layer], placement.holds()[layer].astype(np.float32))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.core import scheduling
-from vllm_semmoe.core.schedulers import DEFAULT_DP_BALANCE, previous_experts
+from vllm_semmoe.core.schedulers import DEFAULT_DP_BALANCE, TpScheduler
 from vllm_semmoe.core.policy import get_policy
 from vllm_semmoe.core.tables import build_tables
 
@@ -29,7 +29,8 @@ def test_tp_schedule_throughput(benchmark, setup):
     _, trace, placement, tables = setup
     rows = tables.token_rows(trace.tokens)
     layer = 10
-    prev = previous_experts(trace.experts.astype(np.int64), layer)
+    experts = trace.experts.astype(np.int64)
+    prev = TpScheduler(tables).previous(layer, {l: experts[:, l] for l in range(layer)}, len(experts))
     t2d = tables.t2d_score[layer].astype(np.float32)
     evidence, log_prior = tables.log_evidence()[layer], tables.log_expert_prior()[layer]
     holds = placement.holds()[layer].astype(np.float32)
