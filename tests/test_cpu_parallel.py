@@ -234,6 +234,7 @@ def test_fixes_installed_and_idempotent() -> None:
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     from vllm_semmoe.vllm_adapter import cpu_fixes
+    from vllm_semmoe.vllm_adapter.patches.base import MARKER
 
     assert vllm.__version__.startswith("0.32."), "these fixes were written for vLLM 0.32"
     cpu_fixes.apply_cpu_fixes()
@@ -247,7 +248,7 @@ def test_fixes_installed_and_idempotent() -> None:
              CpuCommunicator.__dict__["reduce_scatterv"])
     assert before == after
     original = CPUUnquantizedExperts.apply.__semmoe_original__
-    assert not hasattr(original, cpu_fixes.PATCH_MARKER)
+    assert not hasattr(original, MARKER)
 
 
 @pytest.fixture(scope="module")
@@ -357,16 +358,16 @@ def test_localize_topk_ids_and_weights() -> None:
     """Global ids map to local slots; remote ids (and invalid ones) get weight 0, id >= 0."""
     import torch
 
-    from vllm_semmoe.vllm_adapter.cpu_fixes import _localize_topk
+    from vllm_semmoe.vllm_adapter.patches.fused_moe import localize_topk
 
     emap = torch.tensor([-1, -1, 0, 1, -1, 2], dtype=torch.int32)
     ids = torch.tensor([[2, 0, 5], [4, 3, -1]], dtype=torch.int32)
     w = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.1]])
-    lw, lid, on_input = _localize_topk(w, ids, emap, False)
+    lw, lid, on_input = localize_topk(w, ids, emap, False)
     assert lid.dtype == ids.dtype and lid.tolist() == [[0, 0, 2], [0, 1, 0]]
     assert torch.equal(lw, torch.tensor([[0.5, 0.0, 0.2], [0.0, 0.4, 0.0]]))
     assert on_input is False
-    lw, lid, on_input = _localize_topk(w[:, :1], ids[:, :1], emap, True)
+    lw, lid, on_input = localize_topk(w[:, :1], ids[:, :1], emap, True)
     assert lw.tolist() == [[1.0], [0.0]] and lid.tolist() == [[0], [0]] and on_input is False
 
 

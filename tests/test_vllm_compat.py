@@ -238,7 +238,6 @@ def main():
     from vllm_semmoe.vllm_adapter import compat
     from vllm_semmoe.vllm_adapter.patches import dp_client
     from vllm_semmoe.vllm_adapter.state import api_server_state
-    assert compat.dp_client_class() is DPLBAsyncMPClient
     original = DPLBAsyncMPClient.get_core_engine_for_request
     for patch in dp_client.PATCHES:
         patch.install()

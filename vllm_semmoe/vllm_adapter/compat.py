@@ -799,12 +799,6 @@ def tp_rank() -> int:
 
 
 # ---- DP load balancer -----------------------------------------------------------------------
-def dp_client_class():
-    from vllm.v1.engine.core_client import DPLBAsyncMPClient
-
-    return DPLBAsyncMPClient
-
-
 def dp_managed_ranks(client) -> list[int]:
     """The DP ranks of ``client.core_engines``, in their order (all of them, or with hybrid load
     balancing this node's)."""

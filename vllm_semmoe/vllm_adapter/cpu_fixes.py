@@ -26,9 +26,7 @@ from typing import Any
 
 from . import compat
 from .patches import communicator, fused_moe
-from .patches.base import MARKER as PATCH_MARKER  # noqa: F401  (set on every installed replacement)
 from .patches.base import Patch
-from .patches.fused_moe import localize_topk as _localize_topk  # noqa: F401  (the fix's arithmetic, tested)
 
 logger = logging.getLogger(__name__)
 
