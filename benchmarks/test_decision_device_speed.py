@@ -1,7 +1,8 @@
 """Speed of the device-side (PyTorch) TP decision against the Numba one, one MoE layer of one
 512-token batch of the real dev trace, with the engine's rule (T2D and the two previous layers'
-experts). On CPU tensors here (the PyTorch version is for GPUs, where it saves the host round
-trip; ``scripts/gpu_check.sh`` times it on a GPU).
+experts). On CPU tensors the PyTorch ops; on CUDA tensors (with a GPU) the same calls run the
+fused Triton path (scores kernel, price rounds with their repair, grouping: three launches, no
+host read). ``scripts/gpu_check.sh`` also times it on a GPU.
 
 Run: ``.venv/bin/python -m pytest benchmarks/test_decision_device_speed.py``.
 """
@@ -49,3 +50,17 @@ def test_decision_torch_cpu(benchmark, batch):
     got, want = _torch(tensors)[0].numpy(), _numba(batch)[0]
     assert np.mean(got == want) > 0.99  # the same decision up to float rounding of near-ties
     benchmark(_torch, tensors)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decision_triton_cuda(benchmark, batch):
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in batch]
+    got, want = _torch(tensors)[0].cpu().numpy(), _numba(batch)[0]
+    assert np.mean(got == want) > 0.99  # the same decision up to float rounding of near-ties
+
+    def decide():
+        out = _torch(tensors)
+        torch.cuda.synchronize()  # time the device work, not the launches
+        return out
+
+    benchmark(decide)

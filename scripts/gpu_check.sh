@@ -60,11 +60,11 @@ step() {  # step NAME command...: run, keep the log, record pass/fail
 
 if [[ -n "${SEMMOE_GPU_NO_VLLM:-}" ]]; then
   STATUS[doctor]="not run (no CUDA vLLM)"; STATUS[engine]="not run (no CUDA vLLM)"
-  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py tests/test_triton_align.py -k "cuda"
+  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py tests/test_triton_align.py tests/test_triton_decide.py -k "cuda"
   step decision_and_timing "$PY" "$ROOT/scripts/gpu_check_engine.py" --no-vllm "$OUT"
 else
   step doctor "$PY" -m vllm_semmoe.cli doctor
-  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py tests/test_triton_align.py -k "cuda"
+  step triton_kernels "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_shuffle.py tests/test_triton_align.py tests/test_triton_decide.py -k "cuda"
   step engine_and_timing "$PY" "$ROOT/scripts/gpu_check_engine.py" "$OUT"
 fi
 

@@ -58,8 +58,11 @@ def test_dispatch_and_errors():
         with pytest.raises(RuntimeError, match="CUDA tensor"):
             align_kernel.align_rounds(s, 13, 40)
         np.testing.assert_array_equal(scheduling_torch.align(s, 13).numpy(), scheduling.align(s.numpy(), 13))
-    with pytest.raises(ValueError, match="float64"):
-        align_kernel.align_rounds(s.float(), 13, 40)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        align_kernel.align_rounds(s.half(), 13, 40)
+    # float32 scores are read as float64 inside, as Numba's align converts them
+    assert all(torch.equal(a, b) for a, b in zip(align_kernel.align_rounds(s.float(), 13, 40),
+                                                 align_kernel.align_rounds(s.float().double(), 13, 40)))
     with pytest.raises(ValueError, match="rounds"):
         align_kernel.align_rounds(s, 13, 0)
     device, load, over = align_kernel.align_rounds(torch.zeros((0, 4), dtype=torch.float64), 1, 40)
@@ -88,8 +91,11 @@ def test_kernel_compiles_exact_for_cuda(arch):
     # a runtime int of value 1 must stay a tensor inside the kernel (capacity 1 broke on CUDA)
     assert {p.name for p in kernel.params if p.do_not_specialize} == set(align_kernel._RUNTIME_INTS)
     sig = {"score_ptr": "*fp64", "params_ptr": "*fp64", "device_ptr": "*i64", "load_ptr": "*fp64", "over_ptr": "*i32",
-           "B": "i32", "E": "i32", "capacity": "i32", "rounds": "i32", "BLOCK_B": "constexpr", "BLOCK_E": "constexpr"}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={"BLOCK_B": 512, "BLOCK_E": 8})
+           "unit_ptr": "*i64", "target_ptr": "*i32", "owner_ptr": "*i32", "key_ptr": "*i64", "position_ptr": "*fp64",
+           "B": "i32", "E": "i32", "capacity": "i32", "rounds": "i32", "REPAIR": "constexpr", "BLOCK_B": "constexpr",
+           "BLOCK_E": "constexpr", "BLOCK_C": "constexpr", "SELECT_FROM": "constexpr"}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={"REPAIR": True, "BLOCK_B": 512, "BLOCK_E": 8, "BLOCK_C": 64, "SELECT_FROM": 512})
     asm = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=align_kernel.COMPILE_OPTIONS).asm
     assert "cubin" in asm
     assert "div.rn.f64" in asm["ptx"] and "fma.rn.f64" not in asm["ptx"]

@@ -1,26 +1,33 @@
-"""The Attention-TP decision of :mod:`vllm_semmoe.core.scheduling` in PyTorch ops, for tensors that
-live on an accelerator: the same device per token and the same permutation as the Numba code
-(property-tested), computed where the activations are, without copying the batch to the host.
+"""The Attention-TP decision of :mod:`vllm_semmoe.core.scheduling` on an accelerator's tensors: the
+same device per token and the same permutation as the Numba code (property-tested), computed
+where the activations are, without copying the batch to the host.
+
+On Triton tensors (CUDA, or any device under ``TRITON_INTERPRET=1``; :func:`csrc_triton.shuffle.uses_triton`)
+a decision is three launches and no host read, so it can be captured in a CUDA graph: the
+scores (:mod:`csrc_triton.scores`, one kernel per rule), the price rounds with their repair
+(:func:`csrc_triton.align.align_rounds`, one program), and the device grouping
+(:func:`csrc_triton.shuffle.device_grouping`). Elsewhere the same rules run as PyTorch ops, the
+repair (only when the prices leave a device over capacity) on the host in Numba.
 
 For the A-table rule (:func:`tp_layer_scores`) operation order and precision follow the Numba
 functions (float32 products, float64 sums and prices, first index on ties), so the results are
 identical, not merely close. The X-table rule (:func:`tp_expert_scores`) takes logarithms and
-exponentials, which PyTorch and Numba round differently in the last bits: its scores agree to
+exponentials, which the device and Numba round differently in the last bits: its scores agree to
 float32 rounding, and the decision equals Numba's wherever no two choices are that close
-(property-tested); every rank runs the same implementation on the same inputs, so ranks agree. The price rounds
-run as one Triton kernel on CUDA (:mod:`csrc_triton.align`; as PyTorch ops elsewhere, a fixed
-number of rounds with finished ones masked out); one flag is read after them, and the
-sequential repair step (only when the prices leave a device over capacity) runs on the host in
-Numba. :class:`TorchTpScheduler` is :class:`vllm_semmoe.core.schedulers.TpScheduler` on these
+(property-tested); every rank runs the same implementation on the same inputs, so ranks agree.
+:class:`TorchTpScheduler` is :class:`vllm_semmoe.core.schedulers.TpScheduler` on these
 operations (what the engine's token shuffle decides with on CUDA).
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from csrc_triton import align as align_kernel
+from csrc_triton import scores as scores_kernel
 from csrc_triton import shuffle
 
 from ..core.scheduling import COMBINE_PRODUCT, repair_unit, slice_capacity
@@ -37,6 +44,10 @@ def tp_layer_scores(rows: torch.Tensor, history: torch.Tensor, t2d_layer: torch.
         rows: ``[B]`` int64 (``-1``: unseen); history: ``[B]`` int64 (``-1``: unknown);
         t2d_layer: ``[J, E]`` float32; oov_layer: ``[E]`` float32; markov_layer: ``[E*E, E]``.
     """
+    if shuffle.uses_triton(rows):
+        f32 = torch.float32
+        return scores_kernel.layer_scores(rows, history, t2d_layer.to(f32), oov_layer.to(f32), markov_layer.to(f32),
+                                          combine)
     oov32 = oov_layer.to(torch.float32)
     base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float32)[rows.clamp_min(0)], oov32[None, :])
     known = history >= 0
@@ -62,8 +73,13 @@ def tp_expert_scores(rows: torch.Tensor, prev: torch.Tensor, t2d_layer: torch.Te
     Args:
         rows: ``[B]`` int64 (``-1``: unseen); prev: ``[B, 2, K]`` int64 logical experts at the two
         previous layers (``-1``: unknown); t2d_layer ``[J, E]``; oov_layer ``[E]``;
-        log_evidence ``[2, N, N]``; log_prior ``[N]``; holds ``[N, E]``; weights: 3 floats.
+        log_evidence ``[2, N, N]``; log_prior ``[N]``; holds ``[N, E]`` (float32 tables);
+        weights: 3 floats, or a ``[3]`` float64 tensor on the tables' device.
     """
+    if shuffle.uses_triton(rows):
+        f32 = torch.float32
+        return scores_kernel.expert_scores(rows, prev, t2d_layer.to(f32), oov_layer.to(f32), log_evidence.to(f32),
+                                           log_prior.to(f32), holds.to(f32), _weights(weights, rows.device))
     oov = oov_layer.to(torch.float64)
     base = torch.where((rows >= 0)[:, None], t2d_layer.to(torch.float64)[rows.clamp_min(0)], oov[None, :])
     logs = weights[0] * torch.log(base.clamp_min(1e-9))
@@ -80,20 +96,34 @@ def tp_expert_scores(rows: torch.Tensor, prev: torch.Tensor, t2d_layer: torch.Te
     return torch.softmax(logs, dim=1).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _weights_on(weights: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``[3]`` float64 X-rule weights on ``device`` (made once per weights and device: no copy per call)."""
+    return torch.tensor(weights, dtype=torch.float64, device=device)
+
+
+def _weights(weights, device: torch.device) -> torch.Tensor:
+    """``weights`` (3 floats or a tensor) as a ``[3]`` float64 tensor on ``device``."""
+    if isinstance(weights, torch.Tensor):
+        return weights.to(device=device, dtype=torch.float64)
+    return _weights_on(tuple(float(w) for w in weights), device)
+
+
 def align(scores: torch.Tensor, capacity: int, rounds: int = ROUNDS) -> torch.Tensor:
     """``[B]`` int64 device per token, at most ``capacity`` each, as :func:`vllm_semmoe.core.scheduling.align`.
 
-    On a CUDA device (or under ``TRITON_INTERPRET=1``) the price rounds run as one Triton kernel
-    (:func:`csrc_triton.align.align_rounds`, one launch); elsewhere as PyTorch ops."""
+    ``scores``: ``[B, E]`` float32 or float64. On Triton tensors (CUDA, or under
+    ``TRITON_INTERPRET=1``) the price rounds and the repair run as one Triton program
+    (:func:`csrc_triton.align.align_rounds`, one launch, nothing read back); elsewhere as PyTorch
+    ops, one flag read back and the repair on the host."""
+    if shuffle.uses_triton(scores):
+        if scores.dtype not in (torch.float32, torch.float64):
+            scores = scores.to(torch.float64)
+        return align_kernel.align_rounds(scores, capacity, rounds, repair=True)[0]
     score = scores.to(torch.float64)
     cap = float(capacity)
-    if shuffle.uses_triton(score):
-        device, load, over = align_kernel.align_rounds(score, capacity, rounds)
-        over = bool(over.item())  # the one host read
-    else:
-        device, load = _align_rounds_torch(score, cap, rounds)
-        over = bool(load.max() > cap)  # the one host read
-    if over:
+    device, load = _align_rounds_torch(score, cap, rounds)
+    if bool(load.max() > cap):  # the one host read
         device = _repair(score, device, load, cap)
     return device
 
@@ -145,7 +175,8 @@ def shuffle_permutation(device: torch.Tensor, ep_size: int, capacity: int) -> tu
 
 def tp_decide(scores: torch.Tensor, ep_size: int):
     """One layer's decision on the scores' device: ``(device [B], slot_token, token_slot)``,
-    as :func:`vllm_semmoe.core.scheduling.tp_decide`."""
+    as :func:`vllm_semmoe.core.scheduling.tp_decide` (``scores``: ``[B, E]`` float32; on Triton
+    tensors two launches, no host read)."""
     cap = slice_capacity(int(scores.shape[0]), ep_size)
     device = align(scores, cap)
     slot_token, token_slot = shuffle_permutation(device, ep_size, cap)
@@ -171,6 +202,7 @@ class TorchTpScheduler:
         self.scheduler = scheduler
         self.device = device
         self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._weights = _weights(tuple(float(w) for w in scheduler.weights), device)  # [3] float64
 
     def layer_tables(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer ``layer``'s arrays as tensors on :attr:`device` (copied once)."""
@@ -194,13 +226,12 @@ class TorchTpScheduler:
         rows, previous = self._tensor(rows), self._tensor(previous)
         if self.scheduler.uses_experts:
             t2d, oov, evidence, log_prior, holds = self.layer_tables(layer)
-            return tp_expert_scores(rows, previous, t2d, oov, evidence, log_prior, holds,
-                                    tuple(float(w) for w in self.scheduler.weights))
+            return tp_expert_scores(rows, previous, t2d, oov, evidence, log_prior, holds, self._weights)
         return tp_layer_scores(rows, previous, *self.layer_tables(layer))
 
     def decide(self, layer: int, rows, previous, num_ranks: int):
         """``(device [B], slot_token, token_slot, capacity)`` as :meth:`TpScheduler.decide`, the
-        index tensors on :attr:`device`."""
+        index tensors on :attr:`device` (on Triton tensors: three launches, no host read)."""
         B = len(rows)
         cap = slice_capacity(B, num_ranks)
         if self.scheduler.schedules:
