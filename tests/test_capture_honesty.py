@@ -41,6 +41,7 @@ from vllm_semmoe.vllm_adapter.recording import flush_state, report_engine_failur
 from vllm_semmoe.core.modes import Layout
 from vllm_semmoe.vllm_adapter.state import EngineState, new_moe_counters
 from vllm_semmoe.cli.serving import serve_exit_status
+from vllm_semmoe.testing.processes import fresh_cache_root
 
 L, N, K, V = 3, 16, 2, 64
 
@@ -371,7 +372,7 @@ def server(tmp_path_factory):
     os.makedirs(parts_dir(copy))
     os.mkfifo(segment_path(capture, 0))
     tee = SegmentTee(segment_path(capture, 0), segment_path(copy, 0))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(work / "cache"),
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--served-model-name",

@@ -34,6 +34,7 @@ import pytest
 from shared_fixtures import DATA_DIR
 from vllm_semmoe.assets import tiny_moe_path
 from vllm_semmoe.tools.bench_serve import wait_healthy
+from vllm_semmoe.testing.processes import fresh_cache_root
 
 pytest.importorskip("vllm")
 
@@ -71,7 +72,7 @@ def _engine_env(tmp: Path, **extra: str) -> dict[str, str]:
     env.pop("VLLM_PLUGINS", None)  # the semmoe entry point must load in every process
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm_cache"),
+        "VLLM_CACHE_ROOT": fresh_cache_root(tmp / "vllm_cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor_cache"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",

@@ -20,6 +20,7 @@ from vllm_semmoe.core.tables import TablesError, build_tables, load_tables
 from vllm_semmoe.core.trace import TraceError
 from vllm_semmoe.core.capture_store import load_trace
 from vllm_semmoe.vllm_adapter.config import SemMoEConfig, SemMoEConfigError
+from vllm_semmoe.testing.processes import fresh_cache_root
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +256,7 @@ def test_tables_for_another_layer_count_refuse_to_start(engine_config, tmp_path)
 def test_refused_server_start_is_one_line(tmp_path, tiny_tables):
     """``semmoe serve`` with a refused configuration exits non-zero at once with the reason in
     one line, and no traceback."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "cache"))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(tmp_path / "cache"))
     result = subprocess.run(
         [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--port", "1", "--enforce-eager",
          "--tables", str(tiny_tables[1, "dp"]), "--mode", "dp"],

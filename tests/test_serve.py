@@ -16,6 +16,7 @@ from vllm_semmoe.core.policy import get_policy
 from vllm_semmoe.core.synthetic import synthetic_trace
 from vllm_semmoe.core.tables import build_tables
 from vllm_semmoe.tools.bench_serve import engines_compiled, free_port, stop_server, wait_healthy
+from vllm_semmoe.testing.processes import fresh_cache_root
 
 CONCURRENT = 64
 
@@ -85,7 +86,7 @@ def server(tmp_path_factory):
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=60)
     build_tables(trace, get_policy("semmoe").solve(trace, 8)).save(work / "tables")
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(work / "cache"),
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
+from vllm_semmoe.testing.processes import fresh_cache_root
 
 MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024
 
@@ -93,7 +94,7 @@ def test_vllm_greedy_generation(model_dir: Path, tmp_path: Path,
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", fresh_cache_root(tmp_path / "vllm_cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     monkeypatch.setenv("VLLM_PLUGINS", "")  # the asset on its own, without project plugins
     # ...but this process has imported Numba (llvmlite) in earlier tests, whose ctypes wrappers

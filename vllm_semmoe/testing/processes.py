@@ -35,3 +35,21 @@ def log_tail(path: str | os.PathLike, lines: int = 60) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return f"<no log at {path}>"
+
+
+def fresh_cache_root(path: str | os.PathLike) -> str:
+    """A vLLM cache root (``VLLM_CACHE_ROOT``) of its own at ``path``, for an engine whose compile
+    caches must start empty, sharing only vLLM's model-info cache (``modelinfos/``, entries keyed
+    by the hash of the model's source file) with :func:`~vllm_semmoe.tools.engine.default_cache_root`:
+    with no entry for a model class, vLLM inspects it in a child process that imports all of vLLM
+    (about 9 CPU-seconds on this machine) at every engine start."""
+    from ..tools.engine import default_cache_root
+
+    shared = Path(default_cache_root()) / "modelinfos"
+    shared.mkdir(parents=True, exist_ok=True)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    link = root / "modelinfos"
+    if not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+    return str(root)
