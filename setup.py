@@ -20,6 +20,7 @@ setup(
         "numba>=0.58",
         "highspy>=1.7",
         "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",  # csrc_triton's kernels (CUDA; interpreter on CPU)
         "tqdm>=4.60",  # progress bars (vLLM uses it too)
         "matplotlib>=3.7",  # semmoe report
     ],
