@@ -90,3 +90,65 @@ def test_repeat_below_one_is_the_sub_commands_error(capsys):
         main(["bench-serve", "--repeat", "0"])
     assert exit_info.value.code == 2
     assert "--repeat" in capsys.readouterr().err
+
+
+def test_nodes_are_launched_as_vllm_launches_them(monkeypatch):
+    """``bench-serve --nodes``: node 0 runs the API server and the first DP ranks, every other
+    node ``--headless`` from its first rank on, all at node 0's DP address, each bound to CPUs of
+    its own."""
+    from vllm_semmoe.tools import bench_serve
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(bench_serve, "_has_cuda", lambda: False)
+    monkeypatch.setattr(bench_serve.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    shared, api = ["semmoe", "serve", "M", "--data-parallel-size", "4"], ["--host", "127.0.0.1", "--port", "8000"]
+    nodes = bench_serve.node_commands(shared, api, dp=4, nodes=2, rpc_port=29555)
+    assert len(nodes) == 2
+    (node0, env0), (node1, env1) = nodes
+    for command in (node0, node1):
+        assert command[:len(shared)] == shared
+        text = " ".join(command)
+        assert ("--data-parallel-size-local 2 --data-parallel-address 127.0.0.1 "
+                "--data-parallel-rpc-port 29555") in text
+    assert node0[-len(api):] == api and "--headless" not in node0
+    assert node1[-3:] == ["--headless", "--data-parallel-start-rank", "2"] and "--port" not in node1
+    assert env0 == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} and env1 == {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}
+    # fewer CPUs than ranks: each rank one CPU, shared round the nodes
+    monkeypatch.setattr(bench_serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    envs = [env for _, env in bench_serve.node_commands(shared, api, dp=2, nodes=2, rpc_port=1)]
+    assert envs == [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user's binding is theirs
+    assert [env for _, env in bench_serve.node_commands(shared, api, dp=2, nodes=2, rpc_port=1)] == [{}, {}]
+    with pytest.raises(ValueError, match="3 nodes cannot hold DP 4"):
+        bench_serve.run_bench_serve("M", "D", "W", dp=4, nodes=3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp", "3", "--nodes", "2"], "--nodes 2 spreads DP ranks over nodes"),
+    (["--tp", "2", "--nodes", "2"], "--nodes 2 spreads DP ranks over nodes"),
+])
+def test_nodes_that_cannot_hold_the_ranks_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench-serve", *argv])
+    assert message in str(exit_info.value)
+
+
+def test_each_dp_slack_is_a_run_of_its_own(monkeypatch, capsys):
+    """``--dp-slack 1,4``: the DP-routing policy runs once per guard, beside the other policies
+    (which take no guard), interleaved as repetitions are; each row is named by its guard."""
+    from vllm_semmoe.tools import bench_serve
+
+    calls = []
+
+    def fake(model, dataset, workdir, **kwargs):
+        calls.append((kwargs["policy"], kwargs["dp_slack"], kwargs["skip"]))
+        return _run(kwargs["policy"], 0.2, 0.5 + (kwargs["dp_slack"] or 0), 0.04, 100.0, 5000.0)
+
+    monkeypatch.setattr(bench_serve, "run_bench_serve", fake)
+    assert main(["bench-serve", "--model", "M", "--policy", "vllm,semmoe", "--dp-slack", "1,4",
+                 "--skip", "3500", "--num-prompts", "40"]) == 0
+    assert calls == [("vllm", None, 3500), ("semmoe", 1.0, 3500), ("semmoe", 4.0, 3500)]
+    printed = capsys.readouterr().out
+    assert "\nsemmoe slack=1 " in printed and "\nsemmoe slack=4 " in printed and "\nvllm " in printed
+    with pytest.raises(SystemExit):
+        main(["bench-serve", "--dp-slack", "-1"])

@@ -185,14 +185,18 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
+    from ..core.modes import Mode
     from ..core.policy import POLICIES as POLICY_CLASSES
     from ..tools.bench_serve import (POLICIES, REPEAT_KEYS, TP_POLICIES, aggregate_repeats, repeat_schedule,
                                             run_bench_serve, run_problems)
 
     if args.tp > 1 and args.dp is not None:
         raise SystemExit("semmoe bench-serve: give --dp N (DP + EP) or --tp N (TP + EP), not both")
+    if args.nodes > 1 and (args.tp > 1 or (args.dp or 2) % args.nodes):
+        raise SystemExit(f"semmoe bench-serve: --nodes {args.nodes} spreads DP ranks over nodes: it needs --dp N "
+                         f"with N a multiple of {args.nodes} (and no --tp)")
     known = TP_POLICIES if args.tp > 1 else POLICIES
-    layout = f"TP {args.tp}" if args.tp > 1 else f"DP {args.dp or 2}"
+    layout = f"TP {args.tp}" if args.tp > 1 else f"DP {args.dp or 2}" + (f" on {args.nodes} nodes" if args.nodes > 1 else "")
     policies = [p.strip() for p in (args.policy or ",".join(known)).split(",") if p.strip()]
     unknown = [p for p in policies if p not in known]
     if not policies or unknown:
@@ -200,19 +204,24 @@ def cmd_bench_serve(args) -> int:
                          f"(comma-separated), got {args.policy!r}")
     # back to back, the same prompts; the policies on a replicating placement once per --redundant value;
     # with --repeat, the repetitions interleaved (repeat_schedule), each run on an engine of its own
+    # and the DP-routing policy once per --dp-slack value
     replicating = {p for p in policies if POLICY_CLASSES[known[p][0]].supports_redundant}
-    configs = [(p, R) for p in policies for R in (args.redundant if p in replicating else [0])]
+    routing = {p for p in policies if args.tp == 1 and known[p][1] == Mode.DP}
+    configs = [(p, R, S) for p in policies for R in (args.redundant if p in replicating else [0])
+               for S in (args.dp_slack or [None] if p in routing else [None])]
     repeated: dict = {config: [] for config in configs}
-    for order, (k, (policy, R)) in enumerate(repeat_schedule(configs, args.repeat)):
+    for order, (k, (policy, R, S)) in enumerate(repeat_schedule(configs, args.repeat)):
         run = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
                               dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
                               policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                               max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                              dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
-                              dtype=args.dtype, redundant=R, enforce_eager=args.enforce_eager)
+                              skip=args.skip, dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
+                              dp_slack=S, dtype=args.dtype, redundant=R,
+                              enforce_eager=args.enforce_eager, nodes=args.nodes)
         if args.repeat > 1:
             run["repetition"], run["order"] = k, order
-        repeated[(policy, R)].append(run)
+        run["dp_slack"] = S
+        repeated[(policy, R, S)].append(run)
     runs = [aggregate_repeats(repeated[config]) for config in configs]
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
@@ -258,8 +267,23 @@ def _spread_cell(spread: dict | None) -> str:
 
 
 def _run_name(run: dict) -> str:
-    """A bench-serve run's row and JSON key: its policy, with ``R=<R>`` when it has replicas."""
-    return run["policy"] + (f" R={run['redundant']}" if run["redundant"] else "")
+    """A bench-serve run's row and JSON key: its policy, with ``R=<R>`` when it has replicas and
+    ``slack=<S>`` when ``--dp-slack`` set its DP router's guard."""
+    return (run["policy"] + (f" R={run['redundant']}" if run["redundant"] else "")
+            + (f" slack={run['dp_slack']:g}" if run.get("dp_slack") is not None else ""))
+
+
+def _float_list(text: str) -> list[float]:
+    """``--dp-slack S[,S...]``: non-negative numbers."""
+    import argparse
+
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not value >= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative numbers, comma-separated, got {text!r}")
+    return values
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -430,6 +454,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--dp-price-step", type=float, default=None,
                    help="semmoe: how fast the DP router's per-rank prices follow the work it sends "
                         "(default: the plugin's; `semmoe serve --help` shows it)")
+    p.add_argument("--dp-slack", type=_float_list, default=None, metavar="S[,S...]",
+                   help="semmoe: the DP router's guard, in requests above the least-loaded rank's vLLM queue "
+                        "score (default: the plugin's; `semmoe serve --help` shows it); comma-separated: "
+                        "semmoe runs once per value, beside the other policies")
+    p.add_argument("--nodes", type=positive_int, default=1,
+                   help="DP: launch the deployment as this many nodes on this machine, vLLM's way (node 0: API "
+                        "server, the others --headless), each with a capture directory of its own (default 1)")
+    p.add_argument("--skip", type=non_negative_int, default=3000,
+                   help="ShareGPT prompts skipped first: the profile takes the next 300, the served prompts "
+                        "follow (default 3000; 3000-3499 is the evaluation range, tune on others)")
     add_redundant_argument(p, several=True)
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="run each policy N times, interleaved (the order rotated per repetition), and report "

@@ -134,28 +134,38 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
                     num_prompts: int = 200, concurrency: int = 16, max_tokens: int = 32,
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 900, dp_balance: float | None = None,
-                    dp_price_step: float | None = None, dtype: str = "bfloat16", redundant: int = 0,
-                    enforce_eager: bool = False) -> dict:
+                    dp_price_step: float | None = None, dp_slack: float | None = None, dtype: str = "bfloat16",
+                    redundant: int = 0, enforce_eager: bool = False, nodes: int = 1) -> dict:
     """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
     measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP).
     ``redundant``: replica slots per rank of the Sem-MoE placement (the policies on stock
     vLLM's placement have none). ``dp_balance`` / ``dp_price_step``: the DP router's knobs
-    (``semmoe serve --dp-balance / --dp-price-step``; ``None``: the plugin's defaults).
+    and guard (``semmoe serve --dp-balance / --dp-price-step / --dp-slack``; ``None``: the plugin's
+    defaults). ``skip``: prompts of ``dataset`` skipped first; the profile takes the next
+    ``profile_prompts``, the served prompts follow them. ``nodes``: under DP, the deployment as
+    that many process trees launched the way vLLM launches nodes (:func:`node_commands`), each
+    with a capture directory of its own.
     ``enforce_eager``: serve with ``--enforce-eager``; by default in vLLM's default compiled
     mode, as ``vllm serve`` does (each engine compiles at start-up; piecewise CUDA graphs where
     there are CUDA graphs), the collectives inside the compiled graph counted by
     :class:`~.ep_dispatch.CollectiveMeter`."""
     if tp > 1 and dp != 1:
         raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
+    if nodes < 1 or dp % nodes or (nodes > 1 and tp > 1):
+        raise ValueError(f"bench-serve spreads DP ranks over nodes: {nodes} nodes cannot hold DP {dp}"
+                         + (" (multi-node runs are DP + EP)" if tp > 1 else ""))
     policies = TP_POLICIES if tp > 1 else POLICIES
     if policy not in policies:
         raise ValueError(f"policy must be one of {', '.join(policies)} under {'TP' if tp > 1 else 'DP'}, "
                          f"got {policy!r}")
     os.makedirs(workdir, exist_ok=True)
+    # what the work directory caches (the default profile, the tables solved on it) is named by the
+    # prompts it came from, so that another --skip never reuses them
+    window = "" if skip == 3000 or profile_trace is not None else f"_skip{skip}"
     if profile_trace is None:
         from .profiling import profile
 
-        profile_trace = os.path.join(workdir, "profile.npz")
+        profile_trace = os.path.join(workdir, f"profile{window}.npz")
         if not os.path.exists(profile_trace):
             profile(model, dataset, profile_prompts, profile_trace, skip=skip)
     trace = load_trace(profile_trace)
@@ -167,51 +177,64 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     solver = get_policy(method)
     R = int(redundant) if solver.supports_redundant else 0
     replicas = f"_r{R}" if R else ""
-    tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}{replicas}")
+    tables_dir = os.path.join(workdir, f"tables_{method}_{solve_mode}{ep}{replicas}{window}")
     if not os.path.isdir(tables_dir):
         build_tables(trace, solver.solve(trace, ep, mode=solve_mode, redundant=R),
                      mode=solve_mode).save(tables_dir)
-    capture = os.path.join(workdir, f"served_{policy}{'_tp' if tp > 1 else ''}{replicas}.npz")
-    for stale in set(glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*"))):
-        os.remove(stale)
-    shutil.rmtree(capture + ".parts", ignore_errors=True)
+    name = f"{policy}{'_tp' if tp > 1 else ''}{replicas}"
+    homes = [workdir] if nodes == 1 else [os.path.join(workdir, f"node{k}") for k in range(nodes)]
+    captures = [os.path.join(home, f"served_{name}.npz") for home in homes]  # one per node: no shared disk
+    for capture in captures:
+        os.makedirs(os.path.dirname(capture), exist_ok=True)
+        for stale in set(glob.glob(capture.replace(".npz", ".*live.json")) + glob.glob(capture.replace(".npz", ".dp*"))):
+            os.remove(stale)
+        shutil.rmtree(capture + ".parts", ignore_errors=True)
     prompts = _fit(model, load_prompts(dataset, num_prompts, skip=skip + profile_prompts), max_model_len - max_tokens)
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log_path = os.path.join(workdir, f"server_{policy}{replicas}.log")
-    cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--no-enable-prefix-caching", "--enable-expert-parallel", "--tables", tables_dir,
-           "--mode", str(mode), "--capture", capture]
+    cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", model, "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--enable-expert-parallel",
+           "--tables", tables_dir, "--mode", str(mode)]
     if enforce_eager:
         cmd.append("--enforce-eager")
     else:  # the capture and the sparse dispatch run Python every step: on CUDA, piecewise graphs that
         # split at the plugin's ops (full graphs are refused at start); the CPU build has no CUDA graphs
         cmd += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
     cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else ["--data-parallel-size", str(dp), "--dispatch", dispatch]
-    if dp_balance is not None:
-        cmd += ["--dp-balance", str(dp_balance)]
-    if dp_price_step is not None:
-        cmd += ["--dp-price-step", str(dp_price_step)]
-    layout = f"TP {tp}" if tp > 1 else f"DP {dp}"
-    _say(f"starting {policy} server ({layout} + EP), log in {log_path}")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, **cpu_thread_binding(tp)})
-        try:
-            wait_healthy(base, server, startup_timeout, log_path)
-            _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                results = list(tqdm(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts),
-                                    total=len(prompts), desc=f"[bench-serve] {policy} requests", file=sys.stderr))
-            wall = time.perf_counter() - start
-            time.sleep(1.0)  # let the engines finish writing their counters
-            metrics = scrape_metrics(base)
-        finally:
-            exit_status = stop_server(server)
-    summary = _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens)
+    for flag, value in (("--dp-balance", dp_balance), ("--dp-price-step", dp_price_step), ("--dp-slack", dp_slack)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    api = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "model"]
+    if nodes == 1:
+        commands = [(cmd + api + ["--capture", captures[0]], cpu_thread_binding(tp))]
+    else:
+        commands = [(command + ["--capture", capture], env) for (command, env), capture
+                    in zip(node_commands(cmd, api, dp, nodes, free_port()), captures)]
+    logs = [os.path.join(home, f"server_{policy}{replicas}.log") for home in homes]
+    layout = f"TP {tp}" if tp > 1 else f"DP {dp}" + (f" on {nodes} nodes" if nodes > 1 else "")
+    _say(f"starting {policy} server ({layout} + EP), log{'s' if nodes > 1 else ''} in {', '.join(logs)}")
+    servers = []
+    try:
+        for (command, env), log_path in zip(commands, logs):
+            with open(log_path, "w") as log:
+                servers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                stdin=subprocess.DEVNULL, env={**os.environ, **env}))
+        wait_healthy(base, servers, startup_timeout * nodes, logs)
+        _say(f"sending {len(prompts)} requests at concurrency {concurrency}")
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            results = list(tqdm(pool.map(lambda p: stream_completion(base, "model", p, max_tokens), prompts),
+                                total=len(prompts), desc=f"[bench-serve] {policy} requests", file=sys.stderr))
+        wall = time.perf_counter() - start
+        time.sleep(1.0)  # let the engines finish writing their counters
+        metrics = scrape_metrics(base)
+    finally:
+        # the API server's node first (vLLM's front end ends the deployment), then the headless ones
+        statuses = [stop_server(server) for server in servers]
+    exit_status = next((status for status in statuses if status), statuses[0] if statuses else None)
+    per_rank = [captures[rank * nodes // dp] for rank in range(dp)] if tp == 1 else captures[0]
+    summary = _summarise(policy, dp, tp, results, wall, per_rank, num_prompts, concurrency, max_tokens)
     summary["metrics"] = metrics
     summary["server_exit_status"] = exit_status
     # a failure the live counters could not carry (they stopped, or were never written) still counts
@@ -223,11 +246,45 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
         summary["moe_bytes_per_token"] = None
     summary["dtype"] = dtype
     summary["redundant"] = R
-    summary["compiled"] = engines_compiled(log_path)
+    summary["nodes"] = nodes
+    summary["compiled"] = all(engines_compiled(log_path) for log_path in logs)
     if summary["compiled"] == enforce_eager:
         _say(f"warning: asked to serve {'eager' if enforce_eager else 'compiled'}, but the engines' config "
-             f"says otherwise ({log_path})")
+             f"says otherwise ({', '.join(logs)})")
     return summary
+
+
+def node_commands(cmd: list[str], api: list[str], dp: int, nodes: int, rpc_port: int) -> list[tuple[list[str], dict]]:
+    """``(command, environment)`` of each node of a DP ``dp`` deployment spread over ``nodes``
+    process trees on this machine, as vLLM launches nodes: node 0 runs the API server (``api``,
+    its address options) and DP ranks ``0 .. dp/nodes - 1``; node ``k`` runs ``--headless
+    --data-parallel-start-rank k * dp/nodes``; all reach node 0 at ``--data-parallel-address
+    127.0.0.1 --data-parallel-rpc-port rpc_port``. ``cmd``: the ``semmoe serve`` command every
+    node shares (it holds ``--data-parallel-size dp``). Each node's ranks are bound to a share
+    of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's CPU build would bind every
+    node's first rank to the same CPUs), unless a binding is set or a GPU is present."""
+    local = dp // nodes
+    shared = ["--data-parallel-size-local", str(local), "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(rpc_port)]
+    cpus = sorted(os.sched_getaffinity(0))
+    out = []
+    for k in range(nodes):
+        role = api if k == 0 else ["--headless", "--data-parallel-start-rank", str(k * local)]
+        env = {}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not _has_cuda():
+            mine = [cpus[(k * local + r) % len(cpus)] for r in range(local)] if len(cpus) < dp else \
+                cpus[k * len(cpus) // nodes:(k + 1) * len(cpus) // nodes]
+            share = max(len(mine) // local, 1)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, mine[r * share:(r + 1) * share] or mine[-1:])) for r in range(local))
+        out.append((cmd + shared + role, env))
+    return out
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def engines_compiled(log_path: str) -> bool:
@@ -402,14 +459,15 @@ def aggregate_repeats(runs: list[dict]) -> dict:
 
 def _summarise(policy, dp, tp, results, wall, capture, num_prompts, concurrency, max_tokens) -> dict:
     """The run's figures from the requests' results and the engines' live counters files (one
-    per DP rank, or per TP rank under TP: :func:`.recording.live_counters_path`)."""
+    per DP rank, or per TP rank under TP: :func:`.recording.live_counters_path`). ``capture``:
+    the server's ``--capture`` path, or under DP a list of each rank's (its node's)."""
     ok = [r for r in results if r.get("ok")]
     rank_prompt_tokens, local, remote, tokens = [], 0, 0, 0
     traffic: dict = {}
     failures = []
-    root, _ = os.path.splitext(capture)
-    paths = ([f"{root}.npz.tp{t}.live.json" for t in range(tp)] if tp > 1 else
-             [f"{root}.dp{rank}.npz.live.json" for rank in range(dp)])
+    captures = [capture] * (tp if tp > 1 else dp) if isinstance(capture, str) else list(capture)
+    paths = ([f"{os.path.splitext(captures[0])[0]}.npz.tp{t}.live.json" for t in range(tp)] if tp > 1 else
+             [f"{os.path.splitext(captures[rank])[0]}.dp{rank}.npz.live.json" for rank in range(dp)])
     for rank, path in enumerate(paths):
         if not os.path.exists(path):
             raise RuntimeError(f"engine rank {rank} wrote no live counters ({path}); see the server log")
