@@ -191,3 +191,33 @@ def test_api_server_state_reads_tables_through_the_config(tmp_path: Path) -> Non
     assert api_server_state(client, lambda: made.append(1) or state) is state
     assert api_server_state(client, lambda: made.append(1) or None) is state and made == [1]
     assert api_server_state(plain, lambda: None) is None and api_server_state(plain, lambda: state) is None
+
+
+def test_api_server_state_is_made_and_warmed_when_the_client_is_built(tmp_path: Path) -> None:
+    """The plugin's ``DPLBAsyncMPClient.__init__`` hook builds the API server's state right after
+    vLLM's own constructor, so the first request pays neither the tables nor the router's
+    compilation; the warm-up decides nothing (no request counted, prices unchanged); tables the
+    router cannot use stop the constructor."""
+    from vllm_semmoe.vllm_adapter.patches.dp_client import _init
+    from vllm_semmoe.vllm_adapter.state import api_server_state
+
+    _dp_tables(tmp_path / "t")
+
+    def construct(semmoe):
+        def original(self, vllm_config):
+            self.vllm_config, self.engine_ranks_managed = vllm_config, [0, 1]
+
+        client = _Client()
+        _init(original)(client, SimpleNamespace(additional_config={"semmoe": semmoe},
+                                                parallel_config=SimpleNamespace(data_parallel_size=2)))
+        return client
+
+    client = construct({"tables": str(tmp_path / "t"), "mode": "dp"})
+    state = api_server_state(client)  # no builder: made already
+    assert state is not None and state.dp_router.num_ranks == 2
+    assert state.dp_router.requests.tolist() == [0, 0] and not state.dp_router.in_flight
+    assert state.dp_router.price.tolist() == [0.0, 0.0]
+    assert api_server_state(construct({"tables": str(tmp_path / "t")})) is None  # not dp mode
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SemMoEConfigError, match="no manifest"):
+        construct({"tables": str(tmp_path / "empty"), "mode": "dp"})

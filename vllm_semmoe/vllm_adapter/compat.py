@@ -342,6 +342,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_PARALLEL, "GroupCoordinator.cpu_group", "attribute", needed_by="tp", why="gloo group for CPU tensors"),
     Internal(_PARALLEL, "GroupCoordinator.device_group", "attribute", needed_by="tp", why="NCCL group"),
     # API server: DP rank choice
+    Internal(_CORE_CLIENT, "DPLBAsyncMPClient.__init__", "function", ("self", "vllm_config", "executor_class", "log_stats"),
+             needed_by="dp",
+             why="hooked: the DP router is built and warmed when the API server starts, not at its first request"),
     Internal(_CORE_CLIENT, "DPLBAsyncMPClient.get_core_engine_for_request", "function", ("self", "request"),
              needed_by="dp", why="hooked: choose the DP rank the Sem-MoE way"),
     Internal(_CORE_CLIENT, "DPLBAsyncMPClient.process_engine_outputs", "function", ("self", "outputs"),

@@ -119,6 +119,16 @@ class DpRouter:
         self.record(request_id, rank, len(prompt_token_ids), work)
         return rank
 
+    def warm_up(self) -> None:
+        """Compile what :meth:`choose` runs (the votes and the balanced choice) on a one-token
+        prompt, changing nothing: the first real request then pays no compilation."""
+        votes = self.votes([0])
+        price = self.scheduler.price.copy()
+        try:
+            self.scheduler.choose(votes, np.zeros(self.num_ranks), self.work(1), self.work(1))
+        finally:
+            self.scheduler.price[:] = price
+
     def record(self, request_id: str, rank: int, prompt_tokens: int, work: float | None = None) -> None:
         """Count request ``request_id`` sent to ``rank`` (``work``: its :meth:`work`, computed if
         not given) and in flight there with its prompt."""

@@ -3,7 +3,10 @@ by Sem-MoE, and the router hears each request's generated tokens and finish.
 
 An explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins; a request vLLM has
 already placed keeps its rank. The API server's :class:`~..state.ApiServerState` (tables and
-router) is made at the first request.
+router) is made when vLLM builds the client, at the server's start, and its router's kernels are
+compiled then: built at the first request, that work (about a quarter of a second) held up every
+request arriving with it, which is what a tail of time-to-first-token is made of. Bad tables stop
+the server at start rather than failing its first request.
 """
 
 from __future__ import annotations
@@ -33,16 +36,31 @@ def make_api_server_state(vllm_config, ranks: list[int]) -> ApiServerState | Non
     router = DpRouter(tables, vllm_config.parallel_config.data_parallel_size, ranks=ranks,
                       balance=config.dp_balance, slack=config.dp_slack,
                       decode_weight=config.dp_decode_weight, price_step=config.dp_price_step)
+    router.warm_up()
     logger.info("semmoe: Sem-MoE DP routing over %d ranks %s (balance %.3g, price step %.3g, decode weight %.0f, "
                 "guard slack %.1f)", len(ranks), ranks, config.dp_balance, config.dp_price_step, config.dp_decode_weight,
                 config.dp_slack)
     return ApiServerState(config=config, tables=tables, dp_router=router)
 
 
+def _state(client) -> ApiServerState | None:
+    """``client``'s API-server state, made on the first call."""
+    return api_server_state(client, lambda: make_api_server_state(client.vllm_config, compat.dp_managed_ranks(client)))
+
+
+def _init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _state(self)
+
+    return __init__
+
+
 def _get_core_engine_for_request(original):
     @functools.wraps(original)
     def get_core_engine_for_request(self, request):
-        state = api_server_state(self, lambda: make_api_server_state(self.vllm_config, compat.dp_managed_ranks(self)))
+        state = _state(self)
         if (state is not None and request.data_parallel_rank is None and request.prompt_token_ids
                 and not compat.dp_request_placed(self, request)):
             request.data_parallel_rank = state.dp_router.choose(request.prompt_token_ids, compat.dp_queue_scores(self),
@@ -63,6 +81,10 @@ def _process_engine_outputs(original):  # a staticmethod: (self, outputs)
     return process_engine_outputs
 
 
+INIT = Patch(
+    "vllm.v1.engine.core_client.DPLBAsyncMPClient.__init__",
+    "in dp mode, build the DP router and compile its decision when the API server starts",
+    _init)
 GET_CORE_ENGINE = Patch(
     "vllm.v1.engine.core_client.DPLBAsyncMPClient.get_core_engine_for_request",
     "in dp mode, choose each request's DP rank by Sem-MoE before vLLM's balancer places it",
@@ -72,4 +94,4 @@ PROCESS_ENGINE_OUTPUTS = Patch(
     "tell the DP router each request's generated tokens and finish (its in-flight work)",
     _process_engine_outputs)
 
-PATCHES = (GET_CORE_ENGINE, PROCESS_ENGINE_OUTPUTS)
+PATCHES = (INIT, GET_CORE_ENGINE, PROCESS_ENGINE_OUTPUTS)
