@@ -133,22 +133,30 @@ def test_nodes_that_cannot_hold_the_ranks_are_refused(argv, message, capsys):
     assert message in str(exit_info.value)
 
 
-def test_each_dp_slack_is_a_run_of_its_own(monkeypatch, capsys):
-    """``--dp-slack 1,4``: the DP-routing policy runs once per guard, beside the other policies
-    (which take no guard), interleaved as repetitions are; each row is named by its guard."""
+def test_each_dp_router_setting_is_a_run_of_its_own(monkeypatch, capsys):
+    """``--dp-slack 1,4`` (``--dp-balance 0,32``): the DP-routing policy runs once per guard (per
+    balance knob, per pair of both), beside the other policies (which take neither), interleaved
+    as repetitions are; each row is named by its settings."""
     from vllm_semmoe.tools import bench_serve
 
     calls = []
 
     def fake(model, dataset, workdir, **kwargs):
-        calls.append((kwargs["policy"], kwargs["dp_slack"], kwargs["skip"]))
+        calls.append((kwargs["policy"], kwargs["dp_balance"], kwargs["dp_slack"], kwargs["skip"]))
         return _run(kwargs["policy"], 0.2, 0.5 + (kwargs["dp_slack"] or 0), 0.04, 100.0, 5000.0)
 
     monkeypatch.setattr(bench_serve, "run_bench_serve", fake)
     assert main(["bench-serve", "--model", "M", "--policy", "vllm,semmoe", "--dp-slack", "1,4",
                  "--skip", "3500", "--num-prompts", "40"]) == 0
-    assert calls == [("vllm", None, 3500), ("semmoe", 1.0, 3500), ("semmoe", 4.0, 3500)]
+    assert calls == [("vllm", None, None, 3500), ("semmoe", None, 1.0, 3500), ("semmoe", None, 4.0, 3500)]
     printed = capsys.readouterr().out
     assert "\nsemmoe slack=1 " in printed and "\nsemmoe slack=4 " in printed and "\nvllm " in printed
-    with pytest.raises(SystemExit):
-        main(["bench-serve", "--dp-slack", "-1"])
+    calls.clear()
+    assert main(["bench-serve", "--model", "M", "--policy", "sparse,semmoe", "--dp-balance", "0,32",
+                 "--dp-slack", "2", "--num-prompts", "40"]) == 0
+    assert calls == [("sparse", None, None, 3000), ("semmoe", 0.0, 2.0, 3000), ("semmoe", 32.0, 2.0, 3000)]
+    printed = capsys.readouterr().out
+    assert "\nsemmoe balance=0 slack=2 " in printed and "\nsemmoe balance=32 slack=2 " in printed
+    for flag in ("--dp-slack", "--dp-balance"):
+        with pytest.raises(SystemExit):
+            main(["bench-serve", flag, "-1"])

@@ -204,35 +204,37 @@ def cmd_bench_serve(args) -> int:
                          f"(comma-separated), got {args.policy!r}")
     # back to back, the same prompts; the policies on a replicating placement once per --redundant value;
     # with --repeat, the repetitions interleaved (repeat_schedule), each run on an engine of its own
-    # and the DP-routing policy once per --dp-slack value
+    # and the DP-routing policy once per --dp-balance and --dp-slack value
     replicating = {p for p in policies if POLICY_CLASSES[known[p][0]].supports_redundant}
     routing = {p for p in policies if args.tp == 1 and known[p][1] == Mode.DP}
-    configs = [(p, R, S) for p in policies for R in (args.redundant if p in replicating else [0])
+    configs = [(p, R, B, S) for p in policies for R in (args.redundant if p in replicating else [0])
+               for B in (args.dp_balance or [None] if p in routing else [None])
                for S in (args.dp_slack or [None] if p in routing else [None])]
     repeated: dict = {config: [] for config in configs}
-    for order, (k, (policy, R, S)) in enumerate(repeat_schedule(configs, args.repeat)):
+    for order, (k, (policy, R, B, S)) in enumerate(repeat_schedule(configs, args.repeat)):
         run = run_bench_serve(args.model or _default_model(), args.dataset, args.workdir,
                               dp=1 if args.tp > 1 else (args.dp or 2), tp=args.tp,
                               policy=policy, num_prompts=args.num_prompts, concurrency=args.concurrency,
                               max_tokens=args.max_tokens, profile_trace=args.profile_trace,
-                              skip=args.skip, dp_balance=args.dp_balance, dp_price_step=args.dp_price_step,
+                              skip=args.skip, dp_balance=B, dp_price_step=args.dp_price_step,
                               dp_slack=S, dtype=args.dtype, redundant=R,
                               enforce_eager=args.enforce_eager, nodes=args.nodes)
         if args.repeat > 1:
             run["repetition"], run["order"] = k, order
-        run["dp_slack"] = S
-        repeated[(policy, R, S)].append(run)
+        run["dp_balance"], run["dp_slack"] = B, S
+        repeated[(policy, R, B, S)].append(run)
     runs = [aggregate_repeats(repeated[config]) for config in configs]
     first = runs[0]
     print(f"bench-serve: {layout} + EP, {first['num_prompts']} ShareGPT prompts at concurrency "
           f"{first['concurrency']}, {first['max_tokens']} tokens each, {args.dtype}, "
           f"{'compiled' if first['compiled'] else 'eager'}; MoE bytes counted by the engines")
     base = runs[0]["moe_bytes_per_token"]
-    print(f"{'policy':<16}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
+    w = max(16, 2 + max(len(_run_name(r)) for r in runs))  # the name column
+    print(f"{'policy':<{w}}{'ok':>5}{'failed':>7}{'moe_B/token':>13}{'vs ' + policies[0]:>12}{'live_lar':>10}"
           f"{'ttft_p50':>10}{'ttft_p99':>10}{'tpot':>8}{'tok/s':>8}  digest")
     for r in runs:
         moved = r["moe_bytes_per_token"]
-        print(f"{_run_name(r):<16}{r['ok']:>5}{r['failed']:>7}"
+        print(f"{_run_name(r):<{w}}{r['ok']:>5}{r['failed']:>7}"
               f"{'unmetered' if moved is None else format(moved, '.0f'):>13}"
               f"{moved / base if moved is not None and base else float('nan'):>11.3f}x"
               f"{'-' if r['live_lar'] is None else format(r['live_lar'], '.4f'):>10}"
@@ -240,9 +242,9 @@ def cmd_bench_serve(args) -> int:
               f"  {r['output_digest']}")
     if args.repeat > 1:
         print(f"median of {args.repeat} interleaved repetitions; spread [min-max] sd:")
-        print(f"{'policy':<16}" + "".join(f"{key:>34}" for key in REPEAT_KEYS))
+        print(f"{'policy':<{w}}" + "".join(f"{key:>34}" for key in REPEAT_KEYS))
         for r in runs:
-            print(f"{_run_name(r):<16}" + "".join(f"{_spread_cell(r['spread'][key]):>34}" for key in REPEAT_KEYS))
+            print(f"{_run_name(r):<{w}}" + "".join(f"{_spread_cell(r['spread'][key]):>34}" for key in REPEAT_KEYS))
     digests = {x["output_digest"] for r in runs for x in r.get("repeats", [r])}
     same = len(digests) == 1
     if len(runs) > 1 or args.repeat > 1:
@@ -267,14 +269,15 @@ def _spread_cell(spread: dict | None) -> str:
 
 
 def _run_name(run: dict) -> str:
-    """A bench-serve run's row and JSON key: its policy, with ``R=<R>`` when it has replicas and
-    ``slack=<S>`` when ``--dp-slack`` set its DP router's guard."""
+    """A bench-serve run's row and JSON key: its policy, with ``R=<R>`` when it has replicas,
+    ``balance=<B>`` and ``slack=<S>`` when ``--dp-balance`` / ``--dp-slack`` set its DP router's."""
     return (run["policy"] + (f" R={run['redundant']}" if run["redundant"] else "")
+            + (f" balance={run['dp_balance']:g}" if run.get("dp_balance") is not None else "")
             + (f" slack={run['dp_slack']:g}" if run.get("dp_slack") is not None else ""))
 
 
 def _float_list(text: str) -> list[float]:
-    """``--dp-slack S[,S...]``: non-negative numbers."""
+    """``--dp-balance B[,B...]``, ``--dp-slack S[,S...]``: non-negative numbers."""
     import argparse
 
     try:
@@ -448,9 +451,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     _add_enforce_eager_argument(p)
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
-    p.add_argument("--dp-balance", type=float, default=None,
+    p.add_argument("--dp-balance", type=_float_list, default=None, metavar="B[,B...]",
                    help="semmoe: the DP router's locality-vs-balance knob (default: the plugin's; "
-                        "`semmoe serve --help` shows it)")
+                        "`semmoe serve --help` shows it); comma-separated: semmoe runs once per value")
     p.add_argument("--dp-price-step", type=float, default=None,
                    help="semmoe: how fast the DP router's per-rank prices follow the work it sends "
                         "(default: the plugin's; `semmoe serve --help` shows it)")
