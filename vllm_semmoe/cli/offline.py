@@ -8,8 +8,8 @@ import os
 import time
 
 from ..core.modes import MODES, ServingMode
-from .output import (Progress, add_json_argument, add_redundant_argument, cell, non_negative_int, positive_int,
-                     write_json)
+from .output import (Progress, add_json_argument, add_redundant_argument, cell, non_negative_int, number_list,
+                     positive_int, write_json)
 
 DEFAULT_TRACE_HINT = "../shared/data/routing/dsv2lite_puffin-dev.npz"
 COLUMNS = ("lar", "lar_token", "oracle_lar", "lar_with_semmoe_sched", "a2a_ratio", "imbalance",
@@ -197,14 +197,6 @@ def seed_list(value: str) -> list[int]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"--seeds needs distinct integers, got {value!r}")
     return seeds
-
-
-def float_list(value: str) -> list[float]:
-    """argparse type of ``eval --dp-balance-curve``: comma-separated numbers."""
-    try:
-        return [float(s) for s in value.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {value!r}") from None
 
 
 def cmd_eval(args) -> int:
@@ -443,7 +435,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--dp-price-step", type=float, default=DEFAULT_DP_PRICE_STEP,
                    help="DP: step of the per-rank prices learned online from the work each rank is given "
                         f"(0: none; default {DEFAULT_DP_PRICE_STEP})")
-    p.add_argument("--dp-balance-curve", type=float_list, default=None, metavar="B,B,...",
+    p.add_argument("--dp-balance-curve", type=number_list, default=None, metavar="B,B,...",
                    help="DP: also report semmoe's LAR against window imbalance for each knob value")
     p.add_argument("--dp-decode-weight", type=float, default=None,
                    help="DP: decode work per request in tokens (default: the profile's mean output length, "

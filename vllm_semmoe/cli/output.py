@@ -86,6 +86,18 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def number_list(text: str) -> list[float]:
+    """``type=`` of options taking comma-separated numbers >= 0 (``--loads``, ``--dp-balance``,
+    ``--dp-slack``, ``--dp-balance-curve``)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not value >= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
+
+
 def _jsonable(value):
     """``json.dump`` fallback: NumPy scalars/arrays and paths as plain values."""
     import numpy as np

@@ -14,19 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from .output import positive_int, write_json
-
-
-def _number_list(text: str) -> list[float]:
-    """argparse type of ``--loads``: comma-separated non-negative numbers."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
-    return values
-
+from .output import number_list, positive_int, write_json
 
 def _token_ids(text: str) -> list[int]:
     """argparse type of ``--token-ids``: comma-separated integers >= 0."""
@@ -96,7 +84,7 @@ def add_parsers(sub) -> None:
                    help="the request's prompt token ids instead of --prompt")
     p.add_argument("--dp", type=positive_int, default=None,
                    help="DP ranks the tables' EP devices are split over (default: the tables' EP size, TP 1)")
-    p.add_argument("--loads", type=_number_list, default=None, metavar="W,W,...",
+    p.add_argument("--loads", type=number_list, default=None, metavar="W,W,...",
                    help="in-flight work per DP rank in tokens (prompt plus generated tokens of its unfinished "
                         "requests); default: none")
     p.add_argument("--mean-work", type=float, default=None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .output import add_json_argument, add_redundant_argument, non_negative_int, positive_int, write_json
+from .output import add_json_argument, add_redundant_argument, non_negative_int, number_list, positive_int, write_json
 
 DEFAULT_SHAREGPT = os.path.join("..", "shared", "data", "text", "sharegpt_4k.jsonl.gz")
 
@@ -276,19 +276,6 @@ def _run_name(run: dict) -> str:
             + (f" slack={run['dp_slack']:g}" if run.get("dp_slack") is not None else ""))
 
 
-def _float_list(text: str) -> list[float]:
-    """``--dp-balance B[,B...]``, ``--dp-slack S[,S...]``: non-negative numbers."""
-    import argparse
-
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not value >= 0 for value in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative numbers, comma-separated, got {text!r}")
-    return values
-
-
 def serve_command(argv: list[str]) -> list[str]:
     """``semmoe serve MODEL [vllm serve args] [--tables DIR] [--mode M] [--capture PATH]
     [--dp-balance B] [--dp-price-step P] [--dp-decode-weight W] [--dp-slack S]`` → the
@@ -451,13 +438,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engines' dtype")
     _add_enforce_eager_argument(p)
     p.add_argument("--profile-trace", help="routing trace to solve on (default: profile 300 ShareGPT prompts)")
-    p.add_argument("--dp-balance", type=_float_list, default=None, metavar="B[,B...]",
+    p.add_argument("--dp-balance", type=number_list, default=None, metavar="B[,B...]",
                    help="semmoe: the DP router's locality-vs-balance knob (default: the plugin's; "
                         "`semmoe serve --help` shows it); comma-separated: semmoe runs once per value")
     p.add_argument("--dp-price-step", type=float, default=None,
                    help="semmoe: how fast the DP router's per-rank prices follow the work it sends "
                         "(default: the plugin's; `semmoe serve --help` shows it)")
-    p.add_argument("--dp-slack", type=_float_list, default=None, metavar="S[,S...]",
+    p.add_argument("--dp-slack", type=number_list, default=None, metavar="S[,S...]",
                    help="semmoe: the DP router's guard, in requests above the least-loaded rank's vLLM queue "
                         "score (default: the plugin's; `semmoe serve --help` shows it); comma-separated: "
                         "semmoe runs once per value, beside the other policies")
