@@ -184,7 +184,7 @@ def test_api_server_state_reads_tables_through_the_config(tmp_path: Path) -> Non
     one_node = make_api_server_state(vllm_config({"tables": str(tmp_path / "t"), "mode": "dp"}), [1])
     assert one_node.dp_router.ranks.tolist() == [1] and one_node.dp_router.scheduler.ranks_per_dp == 1
     assert state.dp_router.tables is state.tables and state.tables.mode == "dp"
-    # made once per DP client, on its first request; a client Sem-MoE does not route keeps None
+    # made once per DP client, by its first caller; a client Sem-MoE does not route keeps None
     client, plain = _Client(), _Client()
     made = []
     assert api_server_state(client) is None

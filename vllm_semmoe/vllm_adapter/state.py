@@ -11,8 +11,9 @@ under that model object; every other engine hook reaches it from there:
   vLLM's own path);
 - ``flush_capture`` (``LLM.collective_rpc``) through the worker's runner.
 
-An API server's state is created on the first request its DP client places, and registered under
-that client (:func:`api_server_state`).
+An API server's state is created when vLLM builds its DP client (at the server's start; a client
+made without vLLM's constructor: at the first request it places), and registered under that
+client (:func:`api_server_state`).
 
 The registries are weak maps (vLLM object -> state): they keep nothing alive, an engine state holds
 no reference to the model (modules are reached through weak references), so when vLLM drops an
