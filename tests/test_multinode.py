@@ -13,12 +13,15 @@ requests on both ranks; each node counts its own MoE bytes, and the two counts a
 rank dispatches the other combines back); the capture parts of the two nodes, brought together,
 merge into one trace holding every request. Then node 1 dies (its whole process tree, as a
 node is lost) and the deployment ends as vLLM ends it: the API server exits, nothing of either
-node is left running, and node 0's capture part stays readable.
+node is left running, and node 0's capture part stays readable. Two more deployments end by
+SIGTERM, one to each node, under load: the same end, and the merged capture holds every request
+that completed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -122,11 +125,10 @@ def _settled_json(path: Path, timeout: float = 60) -> dict:
     pytest.fail(f"{path}: no settled live counters within {timeout:.0f} s (last read {last})")
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    """Node 0 (API server + DP rank 0) and node 1 (headless, DP rank 1), healthy; torn down
-    (every process of both nodes) after the test."""
-    tmp = tmp_path_factory.mktemp("multinode")
+@contextlib.contextmanager
+def _deployed(tmp: Path):
+    """Node 0 (API server + DP rank 0) and node 1 (headless, DP rank 1), healthy; every process
+    of both nodes is gone once the block ends."""
     tables = _solve_tables(tmp)
     port, rpc_port = _free_port(), _free_port()
     cpus = sorted(os.sched_getaffinity(0))
@@ -158,6 +160,13 @@ def deployment(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 pass
             _kill_group(node["proc"])
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """:func:`_deployed` for the module's main test."""
+    with _deployed(tmp_path_factory.mktemp("multinode")) as deployed:
+        yield deployed
 
 
 def _wait_for_successes(base: str, served: dict[int, int], timeout: float = 30) -> None:
@@ -294,6 +303,75 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
     assert not _group_alive(node1.pid)
     # node 0's capture part is intact and readable: every request rank 0 served
     assert load_trace(nodes[0]["capture"]).num_requests == served[0]
+
+
+def _ended(nodes: dict, started: float) -> int:
+    """Node 0's exit status once the deployment has ended: its API server gone within
+    :data:`EXIT_AFTER_LOSS_S` of ``started``, and no process of either node left."""
+    node0 = nodes[0]["proc"]
+    try:
+        code = node0.wait(timeout=max(EXIT_AFTER_LOSS_S - (time.monotonic() - started), 1))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node 0 still running {EXIT_AFTER_LOSS_S} s after the signal\n{_tail(nodes[0]['log'], 40)}")
+    deadline = time.monotonic() + 60
+    for node in nodes.values():  # reaped: a zombie leader would keep its group "alive"
+        try:
+            node["proc"].wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            pass
+    while any(_group_alive(node["proc"].pid) for node in nodes.values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    for rank, node in nodes.items():
+        assert not _group_alive(node["proc"].pid), f"processes of node {rank} outlived the deployment\n" \
+            + _tail(node["log"], 40)
+    return code
+
+
+@pytest.mark.parametrize("signalled", [0, 1], ids=["api-server-node", "headless-node"])
+def test_sigterm_to_either_node_ends_the_deployment_with_every_completed_request_captured(signalled, tmp_path):
+    """SIGTERM (``kill``, as an orchestrator stops a node) to node 0 or to node 1 while requests
+    are in flight on both ranks: the deployment ends as vLLM ends it (the API server exits, no
+    process of either node is left), and the two nodes' capture parts, brought together, hold every
+    request a client saw complete."""
+    from vllm_semmoe.core.capture_store import load_trace, parts_dir, segment_path
+
+    with _deployed(tmp_path) as deployed:
+        base, nodes = deployed["base"], deployed["nodes"]
+        prompt_ids = _tokenize(PROMPTS)
+        # every prompt on each rank, twice over, with long outputs: the signal finds work on both
+        body = {"model": "tiny", "max_tokens": 64, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        jobs = [(i, rank) for _ in range(2) for i in range(len(PROMPTS)) for rank in range(DP)]
+
+        def send(job):
+            i, rank = job
+            try:
+                return _post_json(f"{base}/v1/completions", {**body, "prompt": PROMPTS[i]},
+                                  {"X-data-parallel-rank": str(rank)}, timeout=300)
+            except Exception as exc:  # the connection closed or broke as the server ended: not completed
+                return None, exc
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            futures = [pool.submit(send, job) for job in jobs]
+            done = concurrent.futures.wait(futures, timeout=300, return_when=concurrent.futures.FIRST_COMPLETED).done
+            assert done, "no request completed"
+            started = time.monotonic()
+            nodes[signalled]["proc"].send_signal(signal.SIGTERM)
+            answers = [future.result() for future in futures]
+        code = _ended(nodes, started)
+        print(f"SIGTERM to node {signalled}: node 0 exited with {code} after {time.monotonic() - started:.0f} s; "
+              f"{sum(status == 200 for status, _ in answers)} of {len(jobs)} requests completed")
+        completed = [tuple(prompt_ids[i] + answer["choices"][0]["token_ids"][:-1])
+                     for (i, _), (status, answer) in zip(jobs, answers) if status == 200]
+        assert completed, "no request completed before the signal"
+        merged = tmp_path / "merged" / CAPTURE
+        os.makedirs(parts_dir(merged))
+        for rank, node in nodes.items():
+            shutil.copy(segment_path(node["capture"], rank), parts_dir(merged))
+        trace = load_trace(merged)
+        captured = {tuple(trace.tokens[trace.offsets[r]:trace.offsets[r + 1]].tolist())
+                    for r in range(trace.num_requests)}
+        missing = [seq for seq in completed if seq not in captured]
+        assert not missing, f"{len(missing)} of {len(completed)} completed requests not in the merged capture"
 
 
 def _tokenize(prompts: list[str]) -> list[list[int]]:
