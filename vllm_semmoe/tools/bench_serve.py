@@ -87,11 +87,7 @@ def cpu_thread_binding(tp: int) -> dict:
     build: its automatic binding gives each TP rank a NUMA node and refuses to start when there
     are fewer nodes than ranks (a one-node VM), so this process's CPUs are split evenly over the
     ranks instead. Empty where it does not apply: TP 1, a binding the user set, or a GPU."""
-    if tp < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    import torch
-
-    if torch.cuda.is_available():
+    if tp < 2 or not _binds_cpus():
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < tp:
@@ -271,7 +267,7 @@ def node_commands(cmd: list[str], api: list[str], dp: int, nodes: int, rpc_port:
     for k in range(nodes):
         role = api if k == 0 else ["--headless", "--data-parallel-start-rank", str(k * local)]
         env = {}
-        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not _has_cuda():
+        if _binds_cpus():
             mine = [cpus[(k * local + r) % len(cpus)] for r in range(local)] if len(cpus) < dp else \
                 cpus[k * len(cpus) // nodes:(k + 1) * len(cpus) // nodes]
             share = max(len(mine) // local, 1)
@@ -279,6 +275,11 @@ def node_commands(cmd: list[str], api: list[str], dp: int, nodes: int, rpc_port:
                 ",".join(map(str, mine[r * share:(r + 1) * share] or mine[-1:])) for r in range(local))
         out.append((cmd + shared + role, env))
     return out
+
+
+def _binds_cpus() -> bool:
+    """Whether bench-serve binds the ranks' threads (vLLM's CPU build, no binding the user set)."""
+    return "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not _has_cuda()
 
 
 def _has_cuda() -> bool:
