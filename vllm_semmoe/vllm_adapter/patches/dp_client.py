@@ -3,10 +3,9 @@ by Sem-MoE, and the router hears each request's generated tokens and finish.
 
 An explicit ``data_parallel_rank`` / ``X-data-parallel-rank`` still wins; a request vLLM has
 already placed keeps its rank. The API server's :class:`~..state.ApiServerState` (tables and
-router) is made when vLLM builds the client, at the server's start, and its router's kernels are
-compiled then: built at the first request, that work (about a quarter of a second) held up every
-request arriving with it, which is what a tail of time-to-first-token is made of. Bad tables stop
-the server at start rather than failing its first request.
+router) is made when vLLM builds the client, at the server's start, and the router's decision is
+compiled then: no request waits for that work (about a quarter of a second, which would hold up
+every request arriving with the first). Bad tables stop the server at start.
 """
 
 from __future__ import annotations
