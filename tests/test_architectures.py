@@ -24,8 +24,10 @@ which experts share a rank too), so token identity there is luck, not a property
 one CPU and failed on another (DeepSeek-V3 placement-only: the captured token ids parted).
 
 Engines are shared: one plugin-free process runs the baselines of every architecture the
-session selected, and one process per architecture runs all its multi-rank engines (TP 2 + EP
-cells, the refused replica layout, DP 2 + EP).
+session selected, and two processes per architecture run all its multi-rank engines: the TP 2 +
+EP cells and the refused replica layout with one TP rank in each (vLLM's external launcher, as
+``torchrun`` launches offline TP), then DP 2 + EP (``vllm serve``'s engine client and engine
+processes).
 """
 
 from __future__ import annotations
@@ -199,17 +201,24 @@ import asyncio, gc, json, os, sys, traceback
 
 
 def offline(cfg, run):
-    # TP 2 + EP through the offline LLM (multi-process engine and workers)
+    # TP 2 + EP through the offline LLM under vLLM's external launcher: this process is one TP
+    # rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR set by main, MASTER_PORT per engine), the
+    # other rank runs the same engines in step, so the two processes serve every offline engine
+    from vllm.distributed import cleanup_dist_env_and_memory
     from vllm_semmoe.tools.engine import fit_prompts, flush, generate, make_llm
 
-    llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
-                   tensor_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp", seed=0)
+    os.environ["MASTER_PORT"] = str(run["port"])
+    llm = None
     try:
+        llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
+                       tensor_parallel_size=2, enable_expert_parallel=True,
+                       distributed_executor_backend="external_launcher", seed=0)
         outs = generate(llm, fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"]), cfg["max_tokens"])
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "summary": flush(llm)}
     finally:
         del llm
         gc.collect()
+        cleanup_dist_env_and_memory()
 
 
 async def served(cfg, run):
@@ -249,11 +258,21 @@ def set_env(values):
 
 
 def main():
-    cfg = json.loads(sys.argv[1])
+    cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+    cpus = os.sched_getaffinity(0)
+    launcher = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     results = {}
+    # rank 1 runs the offline engines only; rank 0 then serves DP 2 (engines of their own)
     for name, run in cfg["runs"].items():
-        saved = {key: os.environ.get(key) for key in run["env"]}
-        set_env(run["env"])
+        if run["kind"] == "dp" and rank:
+            continue
+        env = {**(launcher if run["kind"] == "offline" else dict.fromkeys(launcher)), **run["env"]}
+        if run["kind"] == "dp":
+            os.sched_setaffinity(0, cpus)  # the TP rank's CPU binding is not the DP engines'
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        saved = {key: os.environ.get(key) for key in env}
+        set_env(env)
         print(f"=== run {name}", flush=True)
         try:
             results[name] = asyncio.run(served(cfg, run)) if run["kind"] == "dp" else offline(cfg, run)
@@ -262,8 +281,9 @@ def main():
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             set_env(saved)
-        with open(cfg["out"], "w") as f:
-            json.dump(results, f, default=float)
+        if rank == 0:
+            with open(cfg["out"], "w") as f:
+                json.dump(results, f, default=float)
 
 
 if __name__ == "__main__":
@@ -273,8 +293,10 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def multi_rank_runs(baselines, tmp_path_factory):
-    """Per architecture, one subprocess running all its multi-rank engines, in its multi-rank
-    setting (float32; MLA architectures through the MHA path):
+    """Per architecture, two processes running all its multi-rank engines, in its multi-rank
+    setting (float32; MLA architectures through the MHA path): the TP 2 engines with one TP rank
+    in each (vLLM's external launcher, so that no engine starts worker processes of its own),
+    then DP 2 from the first:
 
     - ``placed``: TP 2 + EP, placement-only with a random placement;
     - ``tp_mode``: TP 2 + EP, ``tp`` mode with Sem-MoE tables;
@@ -284,17 +306,20 @@ def multi_rank_runs(baselines, tmp_path_factory):
       the placement, the API-side router, the sparse dispatch).
 
     Returns ``(results, log)``: run -> {"tokens", "trace" (request-id order), "summary",
-    "segments"} or {"error"}, and the process's log. The DP prompts are in flight together,
+    "segments"} or {"error"}, and the processes' log. The DP prompts are in flight together,
     except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP already parts from TP 1
     (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice whose top-2
     logprob gap was 0.003, every token's routing still equal), so both that run and its
     baseline serve one request at a time: every step's batch is that request alone.
     """
+    import contextlib
     import json
     import os
+    import signal
+    import subprocess
     import sys
 
-    from test_cpu_parallel import _engine_env
+    from test_cpu_parallel import _engine_env, _free_port
 
     from vllm_semmoe.core.capture_store import parts_dir, read_capture, segment_files
     from vllm_semmoe.core.policy import get_policy
@@ -313,7 +338,7 @@ def multi_rank_runs(baselines, tmp_path_factory):
 
         def offline(name, tables, **semmoe):
             build_tables(trace, tables).save(tmp / name)  # the TP tables of every offline run
-            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"),
+            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"), "port": _free_port(),
                           "semmoe": {"tables": str(tmp / name), **semmoe, "capture": str(tmp / f"{name}.npz")}}
 
         offline("placed", random_placement(trace.num_layers, trace.num_experts, 2, seed=2))
@@ -329,18 +354,30 @@ def multi_rank_runs(baselines, tmp_path_factory):
                            "capture": str(tmp / "dp_mode.npz"),
                            "semmoe": {"tables": str(tmp / "dp_mode"), "mode": "dp",
                                       "capture": str(tmp / "dp_mode.npz")}}
-        if "replicas_refused" in runs:  # last: nothing runs after an engine that failed to start
+        # the offline engines first, the refused one last of them (nothing offline runs after an
+        # engine that failed to start), then DP 2 (engine processes of its own)
+        if "replicas_refused" in runs:
             runs["replicas_refused"] = runs.pop("replicas_refused")
-        out, log = tmp / "multi_rank.json", tmp / "multi_rank.log"
+        runs["dp_mode"] = runs.pop("dp_mode")
+        out, log, peer_log = tmp / "multi_rank.json", tmp / "multi_rank.log", tmp / "multi_rank.rank1.log"
         cfg = {"model": str(checkpoint(arch)), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS,
                "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
-        # a TP engine's workers outlive vLLM's shutdown grace (default 5 s) and are then sent
+        # a DP engine's workers outlive vLLM's shutdown grace (default 5 s) and are then sent
         # SIGTERM; every result is written by then (the captures step by step), so wait 1 s.
         # vLLM's cache is the one this process's engines use: each model class inspected once
         env = _engine_env(tmp, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",
                           VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root(),
                           **multi_rank_env(arch))
-        rc = run_logged([sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)], env, log, 600 * len(runs))
+        script = [sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)]
+        with open(peer_log, "w") as sink:  # TP rank 1, in step with rank 0 on the offline engines
+            peer = subprocess.Popen(script + ["1"], env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = run_logged(script + ["0"], env, log, 600 * len(runs))
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(peer.pid, signal.SIGKILL)
+            peer.wait()
         done = json.loads(out.read_text()) if out.exists() else {}
         results = {}
         for name, run in runs.items():
@@ -355,7 +392,8 @@ def multi_rank_runs(baselines, tmp_path_factory):
                     result["trace"] = load_trace(run["capture"])
                 result["trace"] = by_request_id(result["trace"])
             results[name] = result
-        cache[arch] = (results, log.read_text(errors="replace"))
+        cache[arch] = (results, log.read_text(errors="replace") + "\n=== TP rank 1\n"
+                       + peer_log.read_text(errors="replace"))
         return cache[arch]
 
     return get

@@ -160,3 +160,44 @@ def test_each_dp_router_setting_is_a_run_of_its_own(monkeypatch, capsys):
     for flag in ("--dp-slack", "--dp-balance"):
         with pytest.raises(SystemExit):
             main(["bench-serve", flag, "-1"])
+
+
+def test_the_command_interleaves_the_repetitions_and_reports_their_medians(monkeypatch, capsys, tmp_path):
+    """``semmoe bench-serve --policy vllm,sparse --repeat 2``: four runs in the order vllm,
+    sparse, sparse, vllm, each carrying its repetition and place in the order; each policy's row
+    and JSON keys are the medians of its two repetitions, every repetition kept under
+    ``repeats``; the outputs are called identical only when every repetition's are. (The real
+    servers behind one run per policy: ``test_dp_routing.py``'s DP 2 runs.)"""
+    from vllm_semmoe.tools import bench_serve
+
+    calls, digests = [], iter(["d0", "d0", "d0", "d0", "d0", "d0", "d0", "other"])
+
+    def fake(model, dataset, workdir, **kwargs):
+        n = len(calls)
+        calls.append(kwargs["policy"])
+        return _run(kwargs["policy"], 0.2 + n / 100, 0.5 + n / 10, 0.04 + n / 1000, 100.0 - n,
+                    (9000.0 if kwargs["policy"] == "vllm" else 6000.0) + n, digest=next(digests))
+
+    monkeypatch.setattr(bench_serve, "run_bench_serve", fake)
+    out = tmp_path / "bench.json"
+    assert main(["bench-serve", "--model", "M", "--policy", "vllm,sparse", "--repeat", "2",
+                 "--json", str(out)]) == 0
+    assert calls == ["vllm", "sparse", "sparse", "vllm"]
+    printed = capsys.readouterr().out
+    runs = json.loads(out.read_text())["runs"]
+    assert [[(r["repetition"], r["order"]) for r in runs[p]["repeats"]] for p in ("vllm", "sparse")] == \
+        [[(0, 0), (1, 3)], [(0, 1), (1, 2)]]
+    for policy, run in runs.items():
+        assert run["repeat"] == 2 and run["ok"] == 80 and run["failed"] == 0
+        for key in REPEAT_KEYS:
+            values = [r[key] for r in run["repeats"]]
+            assert run[key] == pytest.approx(statistics.median(values)), (policy, key)
+            assert run["spread"][key]["min"] == min(values) and run["spread"][key]["max"] == max(values)
+        assert all(r["policy"] == policy for r in run["repeats"])
+    assert "median of 2 interleaved repetitions" in printed
+    assert json.loads(out.read_text())["outputs_identical"]
+    assert "outputs identical across policies and repetitions" in printed
+    # one repetition's text differs: the verdict says so
+    calls.clear()
+    assert main(["bench-serve", "--model", "M", "--policy", "vllm,sparse", "--repeat", "2"]) == 0
+    assert "OUTPUTS DIFFER across policies or repetitions" in capsys.readouterr().out

@@ -3,7 +3,6 @@
 import contextlib
 import io
 import json
-import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ from vllm_semmoe.core.placement import Placement
 from vllm_semmoe.core.synthetic import synthetic_trace
 from vllm_semmoe.core.capture_store import read_segment
 from vllm_semmoe.core.tables import build_tables, load_tables
-from vllm_semmoe.tools.bench_serve import REPEAT_KEYS, run_bench_serve
+
 from vllm_semmoe.vllm_adapter.dp_routing import DpRouter
 from shared_fixtures import DATA_DIR
 
@@ -163,12 +162,11 @@ def _moe_rows(steps: list[dict], layers_run: int, num_layers: int) -> tuple[int,
 @pytest.fixture(scope="module")
 def dp2_served(tmp_path_factory) -> SimpleNamespace:
     """DP 2 + EP on the tiny model, compiled (as ``vllm serve`` runs by default), the same
-    :data:`NUM_PROMPTS` ShareGPT prompts per server, tables solved on one profile: stock vLLM (metered)
-    and stock vLLM with the sparse dispatch through ``semmoe bench-serve --policy vllm,sparse
-    --repeat 2`` (four servers, interleaved), then Sem-MoE (placement, routing, sparse
-    dispatch) without and with one replica slot per rank (``run_bench_serve``, one server each),
-    all in one work directory. ``runs``: by name (vllm and sparse: the command's aggregated
-    runs), ``cli``: the command's JSON, ``printed``: its report."""
+    :data:`NUM_PROMPTS` ShareGPT prompts per server, tables solved on one profile, through one
+    ``semmoe bench-serve --policy vllm,sparse,semmoe --redundant 0,1``: stock vLLM (metered), stock
+    vLLM with the sparse dispatch, then Sem-MoE (placement, routing, sparse dispatch) without and
+    with one replica slot per rank, one server each, all in one work directory. ``runs``: by name
+    (``semmoe_r1``: one replica slot per rank), ``cli``: the command's JSON, ``printed``: its report."""
     from vllm_semmoe.cli import main
     from vllm_semmoe.tools.profiling import profile
 
@@ -178,35 +176,26 @@ def dp2_served(tmp_path_factory) -> SimpleNamespace:
     profile(model, dataset, 60, str(trace), skip=3000)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = main(["bench-serve", "--model", model, "--dataset", dataset, "--dp", "2", "--policy", "vllm,sparse",
-                   "--repeat", "2", "--num-prompts", str(NUM_PROMPTS), "--concurrency", "8", "--max-tokens", "8",
-                   "--profile-trace", str(trace), "--workdir", str(tmp), "--json", str(tmp / "bench.json")])
+        rc = main(["bench-serve", "--model", model, "--dataset", dataset, "--dp", "2",
+                   "--policy", "vllm,sparse,semmoe", "--redundant", "0,1", "--num-prompts", str(NUM_PROMPTS),
+                   "--concurrency", "8", "--max-tokens", "8", "--profile-trace", str(trace), "--workdir", str(tmp),
+                   "--json", str(tmp / "bench.json")])
     assert rc == 0, printed.getvalue()
     cli = json.loads((tmp / "bench.json").read_text())
-    runs = dict(cli["runs"])
-    for name in ("semmoe", "semmoe_r1"):  # "<policy>_r<R>": R replica slots per rank
-        policy, _, R = name.partition("_r")
-        # the command's prompts: those after its default profile window
-        runs[name] = run_bench_serve(model, dataset, str(tmp), dp=2, policy=policy, num_prompts=NUM_PROMPTS,
-                                     concurrency=8, max_tokens=8, profile_trace=str(trace), redundant=int(R or 0))
+    runs = {_run_name(run): run for run in cli["runs"].values()}
+    assert sorted(runs) == ["semmoe", "semmoe_r1", "sparse", "vllm"], sorted(cli["runs"])
     return SimpleNamespace(workdir=tmp, runs=runs, cli=cli, printed=printed.getvalue())
-
-
-def _each_server(run: dict) -> list[dict]:
-    """The servers a run stands for: its repetitions, or the run itself."""
-    return run.get("repeats", [run])
 
 
 def _check_runs(workdir, runs: dict) -> None:
     """Every server answered every request, compiled, with load on both ranks and a live LAR."""
     for name, run in runs.items():
-        for server in _each_server(run):
-            # served as `vllm serve` runs by default: compiled (the engines' own config line says so)
-            assert server["compiled"], name
-            assert server["ok"] == NUM_PROMPTS and server["failed"] == 0, server["errors"]
-            assert all(tokens > 0 for tokens in server["rank_prompt_tokens"])
-            assert 0.0 < server["live_lar"] < 1.0
-            json.dumps(server)
+        # served as `vllm serve` runs by default: compiled (the engines' own config line says so)
+        assert run["compiled"], name
+        assert run["ok"] == NUM_PROMPTS and run["failed"] == 0, run["errors"]
+        assert all(tokens > 0 for tokens in run["rank_prompt_tokens"])
+        assert 0.0 < run["live_lar"] < 1.0
+        json.dumps(run)
         assert "enforce_eager=False" in (workdir / f"server_{name}.log").read_text()
 
 
@@ -233,8 +222,7 @@ def _check_counters(model, tmp_path, runs) -> None:
 
     config = json.loads((Path(model) / "config.json").read_text())
     layers = load_tables(str(tmp_path / "tables_vanilla_dp2")).num_layers
-    # the counters files are the last server's of each run (a repetition rewrites them)
-    for run in (_each_server(run)[-1] for run in runs.values()):
+    for run in runs.values():
         policy = run["policy"]
         row = config["hidden_size"] * torch.empty(0, dtype=getattr(torch, run["dtype"])).element_size()
         ranks = _rank_counters(tmp_path, _run_name(run))
@@ -270,17 +258,16 @@ def _check_counters(model, tmp_path, runs) -> None:
 
 def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(dp2_served):
     """DP 2 + EP on the tiny model, the same 40 prompts served by stock vLLM (metered), by stock
-    vLLM with the sparse dispatch (each twice, :func:`dp2_served`), and by Sem-MoE (placement,
-    routing, sparse dispatch) without and with one replica slot per rank: the sparse dispatch
-    gives stock vLLM's text, token for token, in every repetition; the engines' byte counters are
+    vLLM with the sparse dispatch, and by Sem-MoE (placement, routing, sparse dispatch) without
+    and with one replica slot per rank (:func:`dp2_served`): the sparse dispatch gives stock
+    vLLM's text, token for token; the engines' byte counters are
     what the routing implies (:func:`_check_counters`, replicas serving their own rank's tokens);
     Sem-MoE moves fewer bytes than the sparse dispatch alone, which moves fewer than stock, and
     the replica slot raises the engines' LAR and cuts their bytes. (Replicas' exactness:
     ``test_serve_dp2_matches_tp1[ep_replicas]``.)"""
     tmp_path, runs = dp2_served.workdir, dp2_served.runs
     _check_runs(tmp_path, runs)
-    stock = _each_server(runs["vllm"])[0]["outputs"]
-    assert all(server["outputs"] == stock for name in ("vllm", "sparse") for server in _each_server(runs[name]))
+    assert runs["sparse"]["outputs"] == runs["vllm"]["outputs"]
     _check_counters(tiny_moe_path(), tmp_path, runs)
     assert runs["semmoe"]["moe_bytes_per_token"] < runs["sparse"]["moe_bytes_per_token"] \
         < runs["vllm"]["moe_bytes_per_token"]
@@ -302,23 +289,22 @@ def test_dp2_sparse_dispatch_is_exact_and_moves_only_what_is_remote(dp2_served):
     assert "1 replica slot(s) per rank" in (tmp_path / "server_semmoe_r1.log").read_text()
 
 
-def test_bench_serve_repeat_interleaves_real_runs(dp2_served):
-    """``semmoe bench-serve --dp 2 --policy vllm,sparse --repeat 2`` (:func:`dp2_served`): four
-    servers in the order vllm, sparse, sparse, vllm; each policy's keys are the medians of its two
-    repetitions, every repetition is under ``repeats``, and the sparse dispatch gives stock
-    vLLM's text in every repetition."""
+def test_bench_serve_reports_every_run_it_served(dp2_served):
+    """``semmoe bench-serve --dp 2 --policy vllm,sparse,semmoe --redundant 0,1``
+    (:func:`dp2_served`): one server per policy and replica count, in that order; each is a row
+    of the printed table and a key of the JSON, with its bytes per token as a ratio of the first
+    policy's; the verdict on the outputs is what the servers' texts say. (``--repeat``'s order
+    and medians: ``test_bench_serve_repeat.py``.)"""
+    import re
+
     result, printed = dp2_served.cli, dp2_served.printed
     runs = result["runs"]
-    assert sorted(runs) == ["sparse", "vllm"]
-    assert [[(r["repetition"], r["order"]) for r in runs[p]["repeats"]] for p in ("vllm", "sparse")] == \
-        [[(0, 0), (1, 3)], [(0, 1), (1, 2)]]
-    for policy, run in runs.items():
-        assert run["repeat"] == 2 and run["ok"] == 2 * NUM_PROMPTS and run["failed"] == 0
-        for key in REPEAT_KEYS:
-            values = [r[key] for r in run["repeats"]]
-            assert run[key] == pytest.approx(statistics.median(values)), (policy, key)
-            assert run["spread"][key]["min"] == min(values) and run["spread"][key]["max"] == max(values)
-        assert all(r["ok"] == NUM_PROMPTS and r["policy"] == policy for r in run["repeats"])
-    assert runs["sparse"]["moe_bytes_per_token"] < runs["vllm"]["moe_bytes_per_token"]
-    assert result["outputs_identical"] and "outputs identical across policies and repetitions" in printed
-    assert "median of 2 interleaved repetitions" in printed
+    assert list(runs) == ["vllm", "sparse", "semmoe", "semmoe R=1"]
+    base = runs["vllm"]["moe_bytes_per_token"]
+    for name, run in runs.items():
+        row = rf"{re.escape(name)}\s+{run['ok']}\s+{run['failed']}\s+{run['moe_bytes_per_token']:.0f}\s+" \
+              rf"{run['moe_bytes_per_token'] / base:.3f}x\s+{run['live_lar']:.4f}\s"
+        assert any(re.match(row, line) for line in printed.splitlines()), (name, printed)
+    same = len({json.dumps(run["outputs"]) for run in runs.values()}) == 1
+    assert result["outputs_identical"] == same
+    assert ("outputs identical across policies" if same else "OUTPUTS DIFFER across policies") in printed
