@@ -39,7 +39,7 @@ from vllm_semmoe.core.placement import Placement
 from vllm_semmoe.core.tables import build_tables
 from vllm_semmoe.testing.checkpoints import ARCHITECTURES, BF16_ONLY, tiny_checkpoint
 from vllm_semmoe.testing.plugin_free import plugin_free_runs
-from vllm_semmoe.testing.processes import run_logged
+from vllm_semmoe.testing.processes import run_sessions
 from vllm_semmoe.core.capture_store import load_trace
 
 pytest.importorskip("vllm")
@@ -197,17 +197,16 @@ def test_gpt_oss_is_refused_at_start(arch, baselines, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 MULTI_RANK_SCRIPT = r"""
-import asyncio, gc, json, os, sys, traceback
+import asyncio, json, os, sys, traceback
 
 
 def offline(cfg, run):
     # TP 2 + EP through the offline LLM under vLLM's external launcher: this process is one TP
-    # rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR set by main, MASTER_PORT per engine), the
-    # other rank runs the same engines in step, so the two processes serve every offline engine
-    from vllm.distributed import cleanup_dist_env_and_memory
+    # rank, the other rank runs the same engines in step
+    from vllm_semmoe.testing.launcher import next_engine, release_parallel_state
     from vllm_semmoe.tools.engine import fit_prompts, flush, generate, make_llm
 
-    os.environ["MASTER_PORT"] = str(run["port"])
+    next_engine(run["port"])
     llm = None
     try:
         llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
@@ -217,8 +216,7 @@ def offline(cfg, run):
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "summary": flush(llm)}
     finally:
         del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        release_parallel_state()
 
 
 async def served(cfg, run):
@@ -259,20 +257,23 @@ def set_env(values):
 
 def main():
     cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+    from vllm_semmoe.testing.launcher import become_launched_rank
+
     cpus = os.sched_getaffinity(0)
-    launcher = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    launched = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                     "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    become_launched_rank(rank, 2)
     results = {}
-    # rank 1 runs the offline engines only; rank 0 then serves DP 2 (engines of their own)
+    # rank 1 runs the offline engines only; rank 0 then serves DP 2 (engines of their own, in the
+    # environment this process started with)
     for name, run in cfg["runs"].items():
-        if run["kind"] == "dp" and rank:
-            continue
-        env = {**(launcher if run["kind"] == "offline" else dict.fromkeys(launcher)), **run["env"]}
         if run["kind"] == "dp":
+            if rank:
+                continue
+            set_env(launched)
             os.sched_setaffinity(0, cpus)  # the TP rank's CPU binding is not the DP engines'
-            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        saved = {key: os.environ.get(key) for key in env}
-        set_env(env)
+        saved = {key: os.environ.get(key) for key in run["env"]}
+        set_env(run["env"])
         print(f"=== run {name}", flush=True)
         try:
             results[name] = asyncio.run(served(cfg, run)) if run["kind"] == "dp" else offline(cfg, run)
@@ -312,11 +313,8 @@ def multi_rank_runs(baselines, tmp_path_factory):
     logprob gap was 0.003, every token's routing still equal), so both that run and its
     baseline serve one request at a time: every step's batch is that request alone.
     """
-    import contextlib
     import json
     import os
-    import signal
-    import subprocess
     import sys
 
     from test_cpu_parallel import _engine_env, _free_port
@@ -369,15 +367,7 @@ def multi_rank_runs(baselines, tmp_path_factory):
                           VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root(),
                           **multi_rank_env(arch))
         script = [sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)]
-        with open(peer_log, "w") as sink:  # TP rank 1, in step with rank 0 on the offline engines
-            peer = subprocess.Popen(script + ["1"], env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = run_logged(script + ["0"], env, log, 600 * len(runs))
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(peer.pid, signal.SIGKILL)
-            peer.wait()
+        rc = run_sessions([script + ["0"], script + ["1"]], env, [log, peer_log], 600 * len(runs))[0]
         done = json.loads(out.read_text()) if out.exists() else {}
         results = {}
         for name, run in runs.items():

@@ -4,11 +4,12 @@
   kernel (the version/platform guard: ``test_patches.py``); ``CpuCommunicator.all_gatherv`` / ``reduce_scatterv`` over
   gloo with two rank processes (both the torch.distributed and the shared-memory backends).
 * Engine tests (multi-process, about a minute or two each on a 2-core machine): tensor parallel 2
-  with expert parallel (``LLM``, ``mp`` executor), and ``vllm serve`` with data parallel 2 and
-  expert parallel, must give greedy tokens identical to one process (TP=1).
+  with expert parallel (``LLM``, ``mp`` executor; the plugin's TP 2 engines with one TP rank per
+  process under vLLM's external launcher, all in one pair of processes), and ``vllm serve`` with
+  data parallel 2 and expert parallel, must give greedy tokens identical to one process (TP=1).
 
-Every engine runs in its own subprocess (own session, killed on time-out) so that no engine,
-worker or port leaks between tests. The plugin is loaded the normal way, through the
+Engines run in subprocesses (own sessions, killed on time-out) so that no engine, worker or port
+leaks between tests. The plugin is loaded the normal way, through the
 ``vllm.general_plugins`` entry point, in every vLLM process.
 """
 
@@ -649,84 +650,116 @@ def _assert_slots_hold_placement(fingerprints: list, placement, what: str) -> No
             assert np.allclose(local_sums, want, rtol=1e-3, atol=1e-3), (what, rank, layer)
 
 
-def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tmp_path: Path) -> None:
-    """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
-    gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
-    from vllm_semmoe.core.policy import get_policy
-    from vllm_semmoe.core.synthetic import synthetic_trace
-    from vllm_semmoe.core.tables import build_tables
-
-    trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
-    placement = get_policy("semmoe").solve(trace, 2)
-    build_tables(trace, placement).save(tmp_path / "tables")
-    result = _generate(tmp_path, "tp2_ep_placed", tp=2, ep=True, backend="mp", extra_env={
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }, semmoe={"tables": str(tmp_path / "tables")})
-    _assert_slots_hold_placement(result["expert_fingerprints"], placement, "TP=2 + EP, Sem-MoE placement")
-    _assert_same_tokens(result["outputs"], reference, "TP=2 + EP with a Sem-MoE placement")
-
-
-SHUFFLE_SCRIPT = r"""
+LAUNCHED_SCRIPT = r"""
 import json, sys
 
 def main():
-    cfg = json.loads(sys.argv[1])
+    # one TP rank under vLLM's external launcher; the other ranks run the same engines in step,
+    # one after another, and each rank writes what it saw
+    cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+    from vllm_semmoe.testing.launcher import become_launched_rank, next_engine, release_parallel_state
+    become_launched_rank(rank, cfg["tp"])
     from vllm import LLM, SamplingParams
     from vllm_semmoe.vllm_adapter.recording import flush_capture
-    llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-              tensor_parallel_size=cfg["tp"], enable_expert_parallel=True, distributed_executor_backend="mp",
-              enable_prefix_caching=False, additional_config={"semmoe": cfg["semmoe"]})
-    outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
-                                                       ignore_eos=True), use_tqdm=False)
-    result = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outs],
-              "summaries": llm.collective_rpc(flush_capture)}
-    if cfg.get("fingerprints"):
-        from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
-        result["fingerprints"] = llm.collective_rpc(local_expert_fingerprints)
-    with open(cfg["out"], "w") as f:
-        json.dump(result, f, default=float)
+    from vllm_semmoe.vllm_adapter.replacement import local_expert_fingerprints
+    results = {}
+    for name, run in cfg["runs"].items():
+        next_engine(run["port"])
+        llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                  tensor_parallel_size=cfg["tp"], enable_expert_parallel=True,
+                  distributed_executor_backend="external_launcher", enable_prefix_caching=run["prefix_caching"],
+                  additional_config={"semmoe": run["semmoe"]})
+        outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                                                           ignore_eos=True), use_tqdm=False)
+        results[name] = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
+                                     for o in outs],
+                         "summary": llm.collective_rpc(flush_capture)[0] if "capture" in run["semmoe"] else None,
+                         "fingerprints": llm.collective_rpc(local_expert_fingerprints)[0]}
+        with open(f"{cfg['out']}.rank{rank}", "w") as f:
+            json.dump(results, f, default=float)
+        del llm, outs
+        release_parallel_state()
 
 if __name__ == "__main__":
     main()
 """
 
 
-def _run_shuffle(tmp_path: Path, name: str, semmoe: dict, fingerprints: bool = False, tp: int = 2) -> dict:
-    """Greedy PROMPTS on TP=``tp`` + EP with the plugin set to ``semmoe`` (:data:`SHUFFLE_SCRIPT`,
-    in a subprocess): outputs, each rank's flush summary and, with ``fingerprints``, each rank's
-    local expert weights. The ranks' OpenMP threads are bound round-robin to the 2 cores."""
-    out = tmp_path / f"{name}.json"
-    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-           "fingerprints": fingerprints, "semmoe": semmoe, "tp": tp}
-    _run_bounded([sys.executable, "-c", SHUFFLE_SCRIPT, json.dumps(cfg)], _engine_env(tmp_path, **{
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),
-        tmp_path / f"{name}.log", ENGINE_TIMEOUT_S * tp // 2)
-    return json.loads(out.read_text())
+def _launched(tmp: Path, tp: int, runs: dict[str, dict]) -> dict[str, dict]:
+    """Greedy PROMPTS on TP=``tp`` + EP, one engine per entry of ``runs`` (name -> plugin
+    settings ``semmoe``, ``prefix_caching``), all served by ``tp`` processes, one TP rank each,
+    under vLLM's external launcher (:data:`LAUNCHED_SCRIPT`): per run, the outputs, and each
+    rank's flush summary (``summaries``, where the run captures) and local expert weights
+    (``fingerprints``). The ranks' OpenMP threads are bound round-robin to the 2 cores."""
+    from vllm_semmoe.testing.processes import run_sessions
+
+    out = tmp / "launched.json"
+    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out), "tp": tp,
+           "runs": {name: {**run, "port": _free_port()} for name, run in runs.items()}}
+    env = _engine_env(tmp, VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % 2) for r in range(tp)))
+    script = [sys.executable, "-c", LAUNCHED_SCRIPT, json.dumps(cfg)]
+    logs = [tmp / f"launched.rank{rank}.log" for rank in range(tp)]
+    codes = run_sessions([script + [str(rank)] for rank in range(tp)], env, logs,
+                         ENGINE_TIMEOUT_S * tp // 2 * len(runs))
+    ranks = [json.loads(Path(f"{out}.rank{rank}").read_text()) if Path(f"{out}.rank{rank}").exists() else {}
+             for rank in range(tp)]
+    missing = [name for name in runs if any(name not in seen for seen in ranks)]
+    assert not missing, (f"TP={tp} engines {missing} did not finish (exit statuses {codes})\n"
+                         + "\n".join(_tail(log, 40) for log in logs))
+    return {name: {"outputs": ranks[0][name]["outputs"],
+                   "summaries": [seen[name]["summary"] for seen in ranks],
+                   "fingerprints": [seen[name]["fingerprints"] for seen in ranks]} for name in runs}
 
 
 @pytest.fixture(scope="module")
-def tp2_semmoe(sharegpt_profile, tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
-    """TP=2 + EP in ``tp`` mode with Sem-MoE tables solved on :func:`sharegpt_profile` without
-    replica slots, served once (:func:`_run_shuffle`, with each rank's expert fingerprints) for
-    the tests that compare it with vanilla tables and with one replica slot per rank:
-    ``placement``, ``tables``, the engine's ``result`` and its ``capture`` path."""
+def tp2_engines(sharegpt_profile, tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    """The module's TP=2 + EP engines (:func:`_launched`, one pair of rank processes for all),
+    by name, each with the ``placement`` and ``tables`` it serves and its ``capture`` path:
+
+    - ``placed``: placement-only with a Sem-MoE placement of a synthetic trace (vLLM's defaults
+      otherwise: prefix caching on);
+    - ``semmoe``, ``vanilla``: ``tp`` mode with Sem-MoE's and vLLM's placements of
+      :func:`sharegpt_profile`; ``r1``: Sem-MoE's with one replica slot per rank;
+    - ``stock``: stock vLLM TP 2 + EP on vLLM's placement (placement-only), its collectives metered.
+    """
     from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.synthetic import synthetic_trace
     from vllm_semmoe.core.tables import build_tables
 
-    tmp = tmp_path_factory.mktemp("tp2_semmoe")
-    placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp")
-    assert placement.redundant == 0
-    tables = build_tables(sharegpt_profile, placement, mode="tp")
-    tables.save(tmp / "semmoe")
-    capture = tmp / "semmoe_served.npz"
-    result = _run_shuffle(tmp, "semmoe", {"tables": str(tmp / "semmoe"), "mode": "tp", "capture": str(capture)},
-                          fingerprints=True)
-    return types.SimpleNamespace(placement=placement, tables=tables, result=result, capture=capture)
+    tmp = tmp_path_factory.mktemp("tp2_engines")
+    synthetic = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=40)
+    solved = {"placed": (synthetic, get_policy("semmoe").solve(synthetic, 2), None),
+              "semmoe": (sharegpt_profile, get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp"), "tp"),
+              "vanilla": (sharegpt_profile, get_policy("vanilla").solve(sharegpt_profile, 2, mode="tp"), "tp"),
+              "r1": (sharegpt_profile, get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp", redundant=1), "tp")}
+    assert solved["semmoe"][1].redundant == 0 and solved["r1"][1].redundant == 1
+    engines, runs = {}, {}
+    for name, (trace, placement, mode) in solved.items():
+        tables = build_tables(trace, placement, **({"mode": mode} if mode else {}))
+        tables.save(tmp / name)
+        engines[name] = types.SimpleNamespace(placement=placement, tables=tables, capture=tmp / f"{name}_served.npz")
+        runs[name] = {"semmoe": {"tables": str(tmp / name), **({"mode": mode} if mode else {})},
+                      "prefix_caching": name == "placed"}
+        if name != "placed":
+            runs[name]["semmoe"]["capture"] = str(engines[name].capture)
+    engines["stock"] = types.SimpleNamespace(placement=solved["vanilla"][1], tables=engines["vanilla"].tables,
+                                             capture=tmp / "stock_served.npz")
+    runs["stock"] = {"semmoe": {"tables": str(tmp / "vanilla"), "capture": str(engines["stock"].capture)},
+                     "prefix_caching": False}
+    for name, result in _launched(tmp, 2, runs).items():
+        engines[name].result = result
+    return types.SimpleNamespace(**engines)
 
 
-def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tp2_semmoe,
-                             tmp_path: Path) -> None:
+def test_tp2_expert_parallel_with_replacement(reference: dict[int, dict], tp2_engines) -> None:
+    """TP=2 + EP with a Sem-MoE placement: each rank loads exactly the experts the placement
+    gives it (weights compared with the checkpoint's), and greedy tokens equal TP=1's."""
+    placed = tp2_engines.placed
+    _assert_slots_hold_placement(placed.result["fingerprints"], placed.placement, "TP=2 + EP, Sem-MoE placement")
+    _assert_same_tokens(placed.result["outputs"], reference, "TP=2 + EP with a Sem-MoE placement")
+
+
+def test_tp2_srs_sag_shuffle(reference: dict[int, dict], tp2_engines) -> None:
     """TP=2 + EP in ``tp`` mode: tokens scheduled to their experts' rank, real all-to-all of the
     remote activations, shuffled all-gather. Greedy tokens equal TP=1's; the activations the
     all-to-all actually moved drop (vs the same pipeline with contiguous slices and vLLM's
@@ -735,30 +768,20 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tp2_s
     captured routing with the engine's own batches (its forward steps: one prefill, then
     4-token decodes), as the capture summary's replay computes it."""
     from vllm_semmoe.evaluation.evaluate import EvalConfig, evaluate
-    from vllm_semmoe.core.policy import get_policy
-    from vllm_semmoe.core.tables import build_tables
     from vllm_semmoe.core.capture_store import load_trace
     from vllm_semmoe.vllm_adapter.ep_dispatch import BYTE_KEYS
 
     runs = {}
     for method in ("vanilla", "semmoe"):
-        if method == "semmoe":  # the module's Sem-MoE tp-mode engine
-            placement, tables, result, capture = (tp2_semmoe.placement, tp2_semmoe.tables, tp2_semmoe.result,
-                                                  tp2_semmoe.capture)
-        else:
-            placement = get_policy(method).solve(sharegpt_profile, 2, mode="tp")
-            tables = build_tables(sharegpt_profile, placement, mode="tp")
-            tables.save(tmp_path / method)
-            capture = tmp_path / f"{method}_served.npz"
-            result = _run_shuffle(tmp_path, method, {"tables": str(tmp_path / method), "mode": "tp",
-                                                     "capture": str(capture)})
+        engine = getattr(tp2_engines, method)
+        placement, tables, result = engine.placement, engine.tables, engine.result
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {method} tables")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
         # the shuffle ran fused into the collectives in every MoE layer of every real step
         assert all(c["fused_layers_run"] == c["layers_run"] > 0 for c in counters), counters
         local = sum(c["local_activations"] for c in counters)
         remote = sum(c["remote_activations"] for c in counters)
-        served = load_trace(capture)
+        served = load_trace(engine.capture)
         batch_512 = evaluate(served, placement, tables if method == "semmoe" else None, EvalConfig(mode="tp"))
         runs[method] = {"lar": local / (local + remote), "replayed": result["summaries"][0]["replayed"]["lar"],
                         "offline_512_token_batches": batch_512["lar"],
@@ -770,8 +793,7 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tp2_s
         runs[method]["real_tokens"] = result["summaries"][0]["replayed"]["tokens"]
 
     # stock vLLM TP 2 + EP (vanilla placement, no shuffle), its collectives metered
-    result = _run_shuffle(tmp_path, "stock", {"tables": str(tmp_path / "vanilla"),
-                                              "capture": str(tmp_path / "stock_served.npz")})
+    result = tp2_engines.stock.result
     _assert_same_tokens(result["outputs"], reference, "TP=2 + EP, stock, metered")
     traffic = [s["moe_traffic"] for s in result["summaries"]]
     stock = {"collective_bytes": sum(t[k] for t in traffic for k in BYTE_KEYS),
@@ -798,28 +820,17 @@ def test_tp2_srs_sag_shuffle(reference: dict[int, dict], sharegpt_profile, tp2_s
     assert total["semmoe"] < total["vanilla"], total
 
 
-def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], sharegpt_profile, tp2_semmoe,
-                                     tmp_path: Path) -> None:
+def test_tp2_shuffle_serves_replicas(reference: dict[int, dict], tp2_engines) -> None:
     """TP=2 + EP in ``tp`` mode with tables solved with one replica slot per rank (``--redundant
     1``): the MoE layers are built with vLLM EPLB's layout of ``E * R`` redundant slots, each
     rank's ``N/E + R`` slots hold the checkpoint experts the placement gives it (weights compared
     with the checkpoint's), greedy tokens equal TP=1's, and the activations the engine's
     all-to-all found local rise over the same solver without replicas by at least the offline
     prediction's rise on the captured routing, less 2 points."""
-    from vllm_semmoe.core.policy import get_policy
-    from vllm_semmoe.core.tables import build_tables
-
     runs = {}
     for R in (0, 1):
-        if R == 0:  # the module's Sem-MoE tp-mode engine
-            placement, result = tp2_semmoe.placement, tp2_semmoe.result
-        else:
-            placement = get_policy("semmoe").solve(sharegpt_profile, 2, mode="tp", redundant=R)
-            assert placement.redundant == R
-            build_tables(sharegpt_profile, placement, mode="tp").save(tmp_path / f"r{R}")
-            result = _run_shuffle(tmp_path, f"r{R}", {"tables": str(tmp_path / f"r{R}"), "mode": "tp",
-                                                       "capture": str(tmp_path / f"r{R}_served.npz")},
-                                  fingerprints=True)
+        engine = tp2_engines.r1 if R else tp2_engines.semmoe
+        placement, result = engine.placement, engine.result
         _assert_same_tokens(result["outputs"], reference, f"TP=2 + EP, tp mode, {R} replica slot(s)")
         _assert_slots_hold_placement(result["fingerprints"], placement, f"TP=2 + EP, {R} replica slot(s)")
         counters = [s["tp_shuffle"] for s in result["summaries"]]
@@ -851,8 +862,9 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sh
     placement = get_policy("semmoe").solve(sharegpt_profile, 4, mode="tp", redundant=1)
     tables = build_tables(sharegpt_profile, placement, mode="tp")
     tables.save(tmp_path / "r1")
-    result = _run_shuffle(tmp_path, "tp4_r1", {"tables": str(tmp_path / "r1"), "mode": "tp",
-                                               "capture": str(tmp_path / "served.npz")}, fingerprints=True, tp=4)
+    result = _launched(tmp_path, 4, {"tp4_r1": {"semmoe": {"tables": str(tmp_path / "r1"), "mode": "tp",
+                                                          "capture": str(tmp_path / "served.npz")},
+                                               "prefix_caching": False}})["tp4_r1"]
     _assert_same_tokens(result["outputs"], reference, "TP=4 + EP, tp mode, 1 replica slot per rank")
     _assert_slots_hold_placement(result["fingerprints"], placement, "TP=4 + EP, 1 replica slot per rank")
     # the choice the rule makes: remote activations of an expert with two or more copies, none

@@ -13,20 +13,38 @@ def run_logged(cmd: list[str], env: dict[str, str], log: str | os.PathLike, time
     """Run ``cmd`` in a new session with stdout and stderr to ``log``; its exit status, or
     ``None`` when it ran past ``timeout`` seconds. Every process of the session is killed
     afterwards (a worker that outlived its parent included)."""
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
+    return run_sessions([cmd], env, [log], timeout, cwd)[0]
+
+
+def run_sessions(cmds: list[list[str]], env: dict[str, str], logs: list[str | os.PathLike], timeout: float,
+                 cwd: str | os.PathLike | None = None, grace: float = 60.0) -> list[int | None]:
+    """Run the commands together, each in a new session logging to its ``logs`` entry (e.g. the
+    ranks of one job under vLLM's external launcher); their exit statuses, ``None`` for one still
+    running ``timeout`` seconds after the start, or ``grace`` seconds after another failed (a
+    rank waiting for a dead peer would wait out its collectives' timeout). Every process of every
+    session is killed afterwards."""
+    import time
+
+    procs, sinks = [], [open(log, "w") for log in logs]
+    try:
+        for cmd, sink in zip(cmds, sinks):
+            procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+            if any(proc.returncode for proc in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.2)
+        return [proc.poll() for proc in procs]
+    finally:
+        for proc in procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-    return rc
+        for sink in sinks:
+            sink.close()
 
 
 def log_tail(path: str | os.PathLike, lines: int = 60) -> str:

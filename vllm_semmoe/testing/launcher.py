@@ -1,0 +1,47 @@
+"""Engines under vLLM's external launcher (``distributed_executor_backend="external_launcher"``,
+how ``torchrun`` runs offline tensor parallelism): every TP rank is a process of its own that
+builds the same engines in step, so one set of rank processes serves many engines, where the
+``mp`` executor starts worker processes for each."""
+
+from __future__ import annotations
+
+import os
+
+
+def become_launched_rank(rank: int, world_size: int) -> None:
+    """Make this process TP rank ``rank`` of ``world_size``: the environment torchrun gives
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``; set ``MASTER_PORT`` per engine
+    with :func:`next_engine`), engines in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
+    the launcher requires).
+
+    The ranks meet at ``tcp://MASTER_ADDR:MASTER_PORT`` rather than vLLM's ``env://``: vLLM's CPU
+    worker names its shared-memory groups after the last field of the rendezvous address, which
+    is ``//`` for every ``env://`` job, so two launched jobs on one machine (or one after a
+    killed one) would open the same segments (``create shm in SHMManager failed. errno: 17``)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+    def distributed_args(self) -> tuple[str, int, int]:
+        return (f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", int(os.environ["RANK"]),
+                int(os.environ["LOCAL_RANK"]))
+
+    ExecutorWithExternalLauncher._distributed_args = distributed_args
+
+
+def next_engine(port: int) -> None:
+    """The rendezvous port of the next engine (each engine its own: a port just closed may
+    still be held)."""
+    os.environ["MASTER_PORT"] = str(port)
+
+
+def release_parallel_state() -> None:
+    """Once the caller has dropped its engine: collect it and free vLLM's process-wide parallel
+    groups, so that the next engine of this process can set them up."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
