@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,7 +174,10 @@ def dp2_served(tmp_path_factory) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("dp2_served")
     model, dataset = str(tiny_moe_path()), str(DATA_DIR / "text" / "sharegpt_4k.jsonl.gz")
     trace = tmp / "profile.npz"
+    switch = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     profile(model, dataset, 60, str(trace), skip=3000)
+    # the in-process engine's setting ends with it: the servers start as `vllm serve` starts them
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == switch
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = main(["bench-serve", "--model", model, "--dataset", dataset, "--dp", "2",

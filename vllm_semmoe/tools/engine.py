@@ -42,13 +42,24 @@ def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype
     gc.collect()
     parallel = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("data_parallel_size") or 1) \
         * int(kwargs.get("pipeline_parallel_size") or 1)
-    if in_process and parallel == 1:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs.setdefault("distributed_executor_backend", "uni")
     settings = dict(dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                     enable_prefix_caching=False)
+    if in_process and parallel == 1:
+        settings["distributed_executor_backend"] = "uni"
     settings.update(kwargs)  # engine arguments given by the caller win (e.g. `semmoe profile --dtype`)
-    return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
+    if not (in_process and parallel == 1):
+        return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
+    # vLLM reads the switch while it builds the engine; the processes this one starts later
+    # (e.g. the servers `semmoe bench-serve` starts after profiling) keep the user's setting
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def fit_prompts(llm, prompts: list[str], max_model_len: int, max_tokens: int) -> list[dict]:
