@@ -9,8 +9,9 @@ Reference: plain vLLM (plugin installed, not configured), TP 1, compiled.
   layer of every step, and greedy tokens equal TP 1's;
 * ``semmoe serve`` DP 2 + EP, mode ``dp``: Sem-MoE routes the requests, every answer equals TP 1's.
 
-Each engine runs in its own subprocess with fresh compile caches (a minute or more each on a
-2-core machine: Dynamo trace plus Inductor compile of the tiny model).
+Engines run in subprocesses with fresh compile caches (a minute or more each on a 2-core
+machine: Dynamo trace plus Inductor compile of the tiny model); the two TP 2 engines in one pair
+of processes, one TP rank each (vLLM's external launcher), each engine compiling its own graph.
 """
 
 from __future__ import annotations
@@ -66,6 +67,38 @@ if __name__ == "__main__":
 """
 
 
+LAUNCHED_SCRIPT = r"""
+import json, sys
+
+def main():
+    # one TP rank under vLLM's external launcher; the other rank builds the same engines in step
+    cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+    from vllm_semmoe.testing.launcher import become_launched_rank, next_engine, release_parallel_state
+    become_launched_rank(rank, 2)
+    from vllm import LLM, SamplingParams
+    from vllm_semmoe.vllm_adapter.recording import flush_capture
+    results = {}
+    for name, run in cfg["runs"].items():
+        next_engine(run["port"])
+        llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0, tensor_parallel_size=2,
+                  enable_expert_parallel=True, distributed_executor_backend="external_launcher",
+                  enable_prefix_caching=False, additional_config={"semmoe": run["semmoe"]})
+        assert not llm.llm_engine.vllm_config.model_config.enforce_eager
+        mode = llm.llm_engine.vllm_config.compilation_config.mode
+        outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                                                           ignore_eos=True), use_tqdm=False)
+        results[name] = {"outputs": [{"token_ids": list(o.outputs[0].token_ids)} for o in outs],
+                         "summary": llm.collective_rpc(flush_capture)[0], "compilation_mode": int(mode)}
+        with open(f"{cfg['out']}.rank{rank}", "w") as f:
+            json.dump(results, f, default=float)
+        del llm, outs
+        release_parallel_state()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
 def _run_compiled(tmp: Path, name: str, *, tp: int, semmoe: dict | None) -> dict:
     out = tmp / f"{name}.json"
     cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
@@ -109,10 +142,31 @@ def _tables(tmp_path_factory, mode: str, redundant: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["r0", "r1"])
-def tp_tables(request, tmp_path_factory) -> Path:
-    """TP tables without and with one replica slot per rank."""
-    return _tables(tmp_path_factory, "tp", request.param)
+@pytest.fixture(scope="module")
+def tp2_shuffled(tmp_path_factory) -> dict[int, dict]:
+    """TP 2 + EP, mode ``tp``, compiled, without and with one replica slot per rank (by ``R``):
+    both engines served by two processes, one TP rank each, under vLLM's external launcher
+    (:data:`LAUNCHED_SCRIPT`, fresh compile caches): each engine's outputs, its compilation
+    mode and both ranks' flush summaries."""
+    from vllm_semmoe.testing.processes import run_sessions
+
+    tmp = tmp_path_factory.mktemp("tp2_shuffled")
+    out = tmp / "launched.json"
+    runs = {f"r{R}": {"port": _free_port(), "semmoe": {"tables": str(_tables(tmp_path_factory, "tp", R)), "mode": "tp",
+                                                       "capture": str(tmp / f"r{R}_served.npz")}} for R in (0, 1)}
+    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
+    script = [sys.executable, "-c", LAUNCHED_SCRIPT, json.dumps(cfg)]
+    logs = [tmp / f"rank{rank}.log" for rank in range(2)]
+    started = time.monotonic()
+    codes = run_sessions([script + [str(rank)] for rank in range(2)], _engine_env(tmp, **TP_ENV), logs,
+                         2 * ENGINE_TIMEOUT_S)
+    print(f"TP 2 compiled engines: {time.monotonic() - started:.0f} s")
+    ranks = [json.loads(Path(f"{out}.rank{rank}").read_text()) if Path(f"{out}.rank{rank}").exists() else {}
+             for rank in range(2)]
+    missing = [name for name in runs if any(name not in seen for seen in ranks)]
+    assert not missing, (f"TP 2 engines {missing} did not finish (exit statuses {codes})\n"
+                         + "\n".join(_tail(log, 40) for log in logs))
+    return {int(name[1:]): {**ranks[0][name], "summaries": [seen[name]["summary"] for seen in ranks]} for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +193,13 @@ def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
     assert result["summaries"][0]["steps"] >= MAX_TOKENS
 
 
-def test_compiled_tp2_shuffle(reference: dict, tp_tables: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("R", [0, 1], ids=["r0", "r1"])
+def test_compiled_tp2_shuffle(reference: dict, tp2_shuffled: dict, R: int) -> None:
     """TP 2 + EP, mode tp, compiled: greedy tokens equal TP 1's, and on both ranks the fused
     shuffle ran in every MoE layer of every real step (4 layers x steps); without and with one
     replica slot per rank."""
-    result = _run_compiled(tmp_path, "tp2_shuffle", tp=2,
-                           semmoe={"tables": str(tp_tables), "mode": "tp", "capture": str(tmp_path / "served.npz")})
+    result = tp2_shuffled[R]
+    assert result["compilation_mode"] > 0, "the engine did not compile the model"
     _assert_same_tokens(result["outputs"], reference, "TP 2 + EP, mode tp, compiled")
     summaries = result["summaries"]
     assert len(summaries) == 2
