@@ -566,7 +566,9 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
         str(tiny_moe_path()), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "tiny", "--data-parallel-size", "2",
         "--data-parallel-address", "127.0.0.1",
-        "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
+        "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager", "--seed", "0",
+        # one API server (vLLM's default is one per DP rank): these checks are the engines'
+        "--api-server-count", "1"]
     if expert_parallel:
         cmd.append("--enable-expert-parallel")
     if replicas:
