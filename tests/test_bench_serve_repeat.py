@@ -1,6 +1,7 @@
-"""``semmoe bench-serve --repeat N``: the interleaved run order and the median / spread of each
-policy's repetitions (pure functions, no engine). The command's real interleaved runs are
-checked on the DP 2 servers of ``test_dp_routing.py`` (``test_bench_serve_repeat_interleaves_real_runs``)."""
+"""``semmoe bench-serve``'s own logic, no engine: the interleaved run order and the median /
+spread of each policy's repetitions, and the command around them with its runs recorded. The
+command's real servers are checked in ``test_dp_routing.py`` (DP 2) and
+``test_cpu_parallel.py`` (TP 2)."""
 
 import json
 import statistics
