@@ -313,7 +313,9 @@ def _ended(nodes: dict, started: float) -> int:
         code = node0.wait(timeout=max(EXIT_AFTER_LOSS_S - (time.monotonic() - started), 1))
     except subprocess.TimeoutExpired:
         pytest.fail(f"node 0 still running {EXIT_AFTER_LOSS_S} s after the signal\n{_tail(nodes[0]['log'], 40)}")
-    deadline = time.monotonic() + 60
+    # the other node notices on vLLM's own time (about a minute on a loaded machine): every
+    # process of the deployment gone within the same bound from the signal
+    deadline = max(started + EXIT_AFTER_LOSS_S, time.monotonic() + 5)
     for node in nodes.values():  # reaped: a zombie leader would keep its group "alive"
         try:
             node["proc"].wait(timeout=max(deadline - time.monotonic(), 1))
@@ -359,9 +361,12 @@ def test_sigterm_to_either_node_ends_the_deployment_with_every_completed_request
             answers = [future.result() for future in futures]
         code = _ended(nodes, started)
         print(f"SIGTERM to node {signalled}: node 0 exited with {code} after {time.monotonic() - started:.0f} s; "
-              f"{sum(status == 200 for status, _ in answers)} of {len(jobs)} requests completed")
+              f"{sum(status == 200 for status, _ in answers)} of {len(jobs)} requests answered")
+        # completed: every token asked for (an answer cut short by the shutdown is HTTP 200 too,
+        # with finish_reason "abort", and may never have reached an engine)
         completed = [tuple(prompt_ids[i] + answer["choices"][0]["token_ids"][:-1])
-                     for (i, _), (status, answer) in zip(jobs, answers) if status == 200]
+                     for (i, _), (status, answer) in zip(jobs, answers)
+                     if status == 200 and answer["choices"][0]["finish_reason"] == "length"]
         assert completed, "no request completed before the signal"
         merged = tmp_path / "merged" / CAPTURE
         os.makedirs(parts_dir(merged))
