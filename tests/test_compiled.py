@@ -31,7 +31,7 @@ from vllm_semmoe.tools.bench_serve import wait_healthy
 pytest.importorskip("vllm")
 
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
-    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group,
+    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group, _launched,
     _post_json, _run_bounded, _tail, clear_outputs)
 from test_route import check_route_header_steers_requests  # noqa: E402
 
@@ -61,38 +61,6 @@ def main():
               "compilation_mode": int(mode)}
     with open(cfg["out"], "w") as f:
         json.dump(result, f, default=float)
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-LAUNCHED_SCRIPT = r"""
-import json, sys
-
-def main():
-    # one TP rank under vLLM's external launcher; the other rank builds the same engines in step
-    cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
-    from vllm_semmoe.testing.launcher import become_launched_rank, next_engine, release_parallel_state
-    become_launched_rank(rank, 2)
-    from vllm import LLM, SamplingParams
-    from vllm_semmoe.vllm_adapter.recording import flush_capture
-    results = {}
-    for name, run in cfg["runs"].items():
-        next_engine(run["port"])
-        llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0, tensor_parallel_size=2,
-                  enable_expert_parallel=True, distributed_executor_backend="external_launcher",
-                  enable_prefix_caching=False, additional_config={"semmoe": run["semmoe"]})
-        assert not llm.llm_engine.vllm_config.model_config.enforce_eager
-        mode = llm.llm_engine.vllm_config.compilation_config.mode
-        outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
-                                                           ignore_eos=True), use_tqdm=False)
-        results[name] = {"outputs": [{"token_ids": list(o.outputs[0].token_ids)} for o in outs],
-                         "summary": llm.collective_rpc(flush_capture)[0], "compilation_mode": int(mode)}
-        with open(f"{cfg['out']}.rank{rank}", "w") as f:
-            json.dump(results, f, default=float)
-        del llm, outs
-        release_parallel_state()
 
 if __name__ == "__main__":
     main()
@@ -144,29 +112,15 @@ def _tables(tmp_path_factory, mode: str, redundant: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def tp2_shuffled(tmp_path_factory) -> dict[int, dict]:
-    """TP 2 + EP, mode ``tp``, compiled, without and with one replica slot per rank (by ``R``):
-    both engines served by two processes, one TP rank each, under vLLM's external launcher
-    (:data:`LAUNCHED_SCRIPT`, fresh compile caches): each engine's outputs, its compilation
-    mode and both ranks' flush summaries."""
-    from vllm_semmoe.testing.processes import run_sessions
-
+    """TP 2 + EP, mode ``tp``, compiled (vLLM's default; prefix caching off), without and with one
+    replica slot per rank (by ``R``): both engines served by two processes, one TP rank each,
+    under vLLM's external launcher (:func:`test_cpu_parallel._launched`, fresh compile caches)."""
     tmp = tmp_path_factory.mktemp("tp2_shuffled")
-    out = tmp / "launched.json"
-    runs = {f"r{R}": {"port": _free_port(), "semmoe": {"tables": str(_tables(tmp_path_factory, "tp", R)), "mode": "tp",
-                                                       "capture": str(tmp / f"r{R}_served.npz")}} for R in (0, 1)}
-    cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
-    script = [sys.executable, "-c", LAUNCHED_SCRIPT, json.dumps(cfg)]
-    logs = [tmp / f"rank{rank}.log" for rank in range(2)]
-    started = time.monotonic()
-    codes = run_sessions([script + [str(rank)] for rank in range(2)], _engine_env(tmp, **TP_ENV), logs,
-                         2 * ENGINE_TIMEOUT_S)
-    print(f"TP 2 compiled engines: {time.monotonic() - started:.0f} s")
-    ranks = [json.loads(Path(f"{out}.rank{rank}").read_text()) if Path(f"{out}.rank{rank}").exists() else {}
-             for rank in range(2)]
-    missing = [name for name in runs if any(name not in seen for seen in ranks)]
-    assert not missing, (f"TP 2 engines {missing} did not finish (exit statuses {codes})\n"
-                         + "\n".join(_tail(log, 40) for log in logs))
-    return {int(name[1:]): {**ranks[0][name], "summaries": [seen[name]["summary"] for seen in ranks]} for name in runs}
+    runs = _launched(tmp, 2, {f"r{R}": {"semmoe": {"tables": str(_tables(tmp_path_factory, "tp", R)), "mode": "tp",
+                                                   "capture": str(tmp / f"r{R}_served.npz")},
+                                        "engine": {"enable_prefix_caching": False}}
+                              for R in (0, 1)})
+    return {int(name[1:]): result for name, result in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +153,7 @@ def test_compiled_tp2_shuffle(reference: dict, tp2_shuffled: dict, R: int) -> No
     shuffle ran in every MoE layer of every real step (4 layers x steps); without and with one
     replica slot per rank."""
     result = tp2_shuffled[R]
-    assert result["compilation_mode"] > 0, "the engine did not compile the model"
+    assert not result["enforce_eager"] and result["compilation_mode"] > 0, "the engine did not compile the model"
     _assert_same_tokens(result["outputs"], reference, "TP 2 + EP, mode tp, compiled")
     summaries = result["summaries"]
     assert len(summaries) == 2

@@ -667,16 +667,18 @@ def main():
     results = {}
     for name, run in cfg["runs"].items():
         next_engine(run["port"])
-        llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-                  tensor_parallel_size=cfg["tp"], enable_expert_parallel=True,
-                  distributed_executor_backend="external_launcher", enable_prefix_caching=run["prefix_caching"],
-                  additional_config={"semmoe": run["semmoe"]})
+        llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0, tensor_parallel_size=cfg["tp"],
+                  enable_expert_parallel=True, distributed_executor_backend="external_launcher",
+                  additional_config={"semmoe": run["semmoe"]}, **run["engine"])
+        config = llm.llm_engine.vllm_config
         outs = llm.generate(cfg["prompts"], SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
                                                            ignore_eos=True), use_tqdm=False)
         results[name] = {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
                                      for o in outs],
                          "summary": llm.collective_rpc(flush_capture)[0] if "capture" in run["semmoe"] else None,
-                         "fingerprints": llm.collective_rpc(local_expert_fingerprints)[0]}
+                         "fingerprints": llm.collective_rpc(local_expert_fingerprints)[0],
+                         "enforce_eager": config.model_config.enforce_eager,
+                         "compilation_mode": int(config.compilation_config.mode)}
         with open(f"{cfg['out']}.rank{rank}", "w") as f:
             json.dump(results, f, default=float)
         del llm, outs
@@ -689,10 +691,11 @@ if __name__ == "__main__":
 
 def _launched(tmp: Path, tp: int, runs: dict[str, dict]) -> dict[str, dict]:
     """Greedy PROMPTS on TP=``tp`` + EP, one engine per entry of ``runs`` (name -> plugin
-    settings ``semmoe``, ``prefix_caching``), all served by ``tp`` processes, one TP rank each,
-    under vLLM's external launcher (:data:`LAUNCHED_SCRIPT`): per run, the outputs, and each
-    rank's flush summary (``summaries``, where the run captures) and local expert weights
-    (``fingerprints``). The ranks' OpenMP threads are bound round-robin to the 2 cores."""
+    settings ``semmoe`` and vLLM engine arguments ``engine``), all served by ``tp`` processes,
+    one TP rank each, under vLLM's external launcher (:data:`LAUNCHED_SCRIPT`): per run, the
+    outputs, whether it ran eager and its compilation mode, and each rank's flush summary
+    (``summaries``, where the run captures) and local expert weights (``fingerprints``). The
+    ranks' OpenMP threads are bound round-robin to the 2 cores."""
     from vllm_semmoe.testing.processes import run_sessions
 
     out = tmp / "launched.json"
@@ -701,14 +704,16 @@ def _launched(tmp: Path, tp: int, runs: dict[str, dict]) -> dict[str, dict]:
     env = _engine_env(tmp, VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % 2) for r in range(tp)))
     script = [sys.executable, "-c", LAUNCHED_SCRIPT, json.dumps(cfg)]
     logs = [tmp / f"launched.rank{rank}.log" for rank in range(tp)]
+    started = time.monotonic()
     codes = run_sessions([script + [str(rank)] for rank in range(tp)], env, logs,
                          ENGINE_TIMEOUT_S * tp // 2 * len(runs))
+    print(f"TP={tp}: {len(runs)} engine(s) in {time.monotonic() - started:.0f} s")
     ranks = [json.loads(Path(f"{out}.rank{rank}").read_text()) if Path(f"{out}.rank{rank}").exists() else {}
              for rank in range(tp)]
     missing = [name for name in runs if any(name not in seen for seen in ranks)]
     assert not missing, (f"TP={tp} engines {missing} did not finish (exit statuses {codes})\n"
                          + "\n".join(_tail(log, 40) for log in logs))
-    return {name: {"outputs": ranks[0][name]["outputs"],
+    return {name: {**{key: ranks[0][name][key] for key in ("outputs", "enforce_eager", "compilation_mode")},
                    "summaries": [seen[name]["summary"] for seen in ranks],
                    "fingerprints": [seen[name]["fingerprints"] for seen in ranks]} for name in runs}
 
@@ -741,13 +746,13 @@ def tp2_engines(sharegpt_profile, tmp_path_factory: pytest.TempPathFactory) -> t
         tables.save(tmp / name)
         engines[name] = types.SimpleNamespace(placement=placement, tables=tables, capture=tmp / f"{name}_served.npz")
         runs[name] = {"semmoe": {"tables": str(tmp / name), **({"mode": mode} if mode else {})},
-                      "prefix_caching": name == "placed"}
+                      "engine": {"enforce_eager": True, "enable_prefix_caching": name == "placed"}}
         if name != "placed":
             runs[name]["semmoe"]["capture"] = str(engines[name].capture)
     engines["stock"] = types.SimpleNamespace(placement=solved["vanilla"][1], tables=engines["vanilla"].tables,
                                              capture=tmp / "stock_served.npz")
     runs["stock"] = {"semmoe": {"tables": str(tmp / "vanilla"), "capture": str(engines["stock"].capture)},
-                     "prefix_caching": False}
+                     "engine": {"enforce_eager": True, "enable_prefix_caching": False}}
     for name, result in _launched(tmp, 2, runs).items():
         engines[name].result = result
     return types.SimpleNamespace(**engines)
@@ -866,7 +871,8 @@ def test_tp4_shuffle_chooses_among_replica_copies(reference: dict[int, dict], sh
     tables.save(tmp_path / "r1")
     result = _launched(tmp_path, 4, {"tp4_r1": {"semmoe": {"tables": str(tmp_path / "r1"), "mode": "tp",
                                                           "capture": str(tmp_path / "served.npz")},
-                                               "prefix_caching": False}})["tp4_r1"]
+                                               "engine": {"enforce_eager": True, "enable_prefix_caching": False}}
+                                    })["tp4_r1"]
     _assert_same_tokens(result["outputs"], reference, "TP=4 + EP, tp mode, 1 replica slot per rank")
     _assert_slots_hold_placement(result["fingerprints"], placement, "TP=4 + EP, 1 replica slot per rank")
     # the choice the rule makes: remote activations of an expert with two or more copies, none
