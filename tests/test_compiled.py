@@ -36,7 +36,6 @@ from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
 from test_route import check_route_header_steers_requests  # noqa: E402
 
 ENGINE_TIMEOUT_S = 480
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 COMPILED_SCRIPT = r"""
 import json, sys
@@ -46,8 +45,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm_semmoe.vllm_adapter.recording import flush_capture
     llm = LLM(model=cfg["model"], dtype="bfloat16", max_model_len=256, seed=0,
-              tensor_parallel_size=cfg["tp"], enable_expert_parallel=cfg["tp"] > 1,
-              distributed_executor_backend=cfg["backend"], enable_prefix_caching=False,
+              distributed_executor_backend="uni", enable_prefix_caching=False,
               additional_config={"semmoe": cfg["semmoe"]} if cfg["semmoe"] else {})
     assert not llm.llm_engine.vllm_config.model_config.enforce_eager
     mode = llm.llm_engine.vllm_config.compilation_config.mode
@@ -67,13 +65,14 @@ if __name__ == "__main__":
 """
 
 
-def _run_compiled(tmp: Path, name: str, *, tp: int, semmoe: dict | None) -> dict:
+def _run_compiled(tmp: Path, name: str, *, semmoe: dict | None) -> dict:
+    """TP 1, compiled, engine and worker in one subprocess (:data:`COMPILED_SCRIPT`)."""
     out = tmp / f"{name}.json"
     cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out),
-           "tp": tp, "backend": "uni" if tp == 1 else "mp", "semmoe": semmoe}
-    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 else TP_ENV
+           "semmoe": semmoe}
     started = time.monotonic()
-    _run_bounded([sys.executable, "-c", COMPILED_SCRIPT, json.dumps(cfg)], _engine_env(tmp, **extra),
+    _run_bounded([sys.executable, "-c", COMPILED_SCRIPT, json.dumps(cfg)],
+                 _engine_env(tmp, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
                  tmp / f"{name}.log", ENGINE_TIMEOUT_S)
     print(f"{name}: engine run {time.monotonic() - started:.0f} s")
     result = json.loads(out.read_text())
@@ -86,7 +85,7 @@ def reference(tmp_path_factory) -> dict[int, list[int]]:
     """Greedy tokens of plain vLLM (plugin not configured), TP 1, compiled, for the prompts whose
     greedy path has no near-tie (bf16 logits: another batch shape or reduction order may break a
     tie the other way; :func:`test_cpu_parallel.clear_outputs`), by prompt index."""
-    result = _run_compiled(tmp_path_factory.mktemp("reference"), "tp1_plain", tp=1, semmoe=None)
+    result = _run_compiled(tmp_path_factory.mktemp("reference"), "tp1_plain", semmoe=None)
     return {i: o["token_ids"] for i, o in clear_outputs(result["outputs"]).items()}
 
 
@@ -134,7 +133,7 @@ def test_compiled_capture_tp1(reference: dict, tmp_path: Path) -> None:
     from vllm_semmoe.core.capture_store import load_trace
 
     capture = tmp_path / "capture.npz"
-    result = _run_compiled(tmp_path, "tp1_capture", tp=1, semmoe={"capture": str(capture)})
+    result = _run_compiled(tmp_path, "tp1_capture", semmoe={"capture": str(capture)})
     _assert_same_tokens(result["outputs"], reference, "TP 1 compiled with capture")
     trace = load_trace(capture)
     assert trace.num_requests == len(PROMPTS) and trace.num_layers == 4

@@ -16,6 +16,7 @@ import argparse
 
 from .output import number_list, positive_int, write_json
 
+
 def _token_ids(text: str) -> list[int]:
     """argparse type of ``--token-ids``: comma-separated integers >= 0."""
     try:

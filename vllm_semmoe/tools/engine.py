@@ -44,15 +44,15 @@ def make_llm(model: str, semmoe: dict | None, *, max_model_len: int = 512, dtype
         * int(kwargs.get("pipeline_parallel_size") or 1)
     settings = dict(dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                     enable_prefix_caching=False)
-    if in_process and parallel == 1:
+    in_process = in_process and parallel == 1
+    if in_process:
         settings["distributed_executor_backend"] = "uni"
     settings.update(kwargs)  # engine arguments given by the caller win (e.g. `semmoe profile --dtype`)
-    if not (in_process and parallel == 1):
-        return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
     # vLLM reads the switch while it builds the engine; the processes this one starts later
     # (e.g. the servers `semmoe bench-serve` starts after profiling) keep the user's setting
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         return LLM(model=model, additional_config={"semmoe": semmoe} if semmoe else {}, **settings)
     finally:
