@@ -281,7 +281,7 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
     assert sorted(captured) == sorted(sequences)
 
     # 5. node 1 is lost (its whole process tree killed): the deployment ends as vLLM ends it
-    node0, node1 = nodes[0]["proc"], nodes[1]["proc"]
+    node1 = nodes[1]["proc"]
     os.killpg(node1.pid, signal.SIGKILL)
     node1.wait(timeout=60)
     started = time.monotonic()
@@ -292,15 +292,9 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
     print(f"request after node 1 was lost: HTTP {status} {str(body)[:200]!r} "
           f"after {time.monotonic() - started:.0f} s")
     assert status != 200, body
-    try:
-        code = node0.wait(timeout=EXIT_AFTER_LOSS_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"node 0 still running {EXIT_AFTER_LOSS_S} s after node 1 was lost\n{_tail(nodes[0]['log'], 40)}")
-    print(f"node 0 exited with {code} {time.monotonic() - started:.0f} s after node 1 was lost")
+    code = _ended(nodes, started)
+    print(f"node 0 exited with {code}; the deployment ended {time.monotonic() - started:.0f} s after node 1 was lost")
     assert code != 0, "node 0 reported success after losing a DP rank"
-    time.sleep(2.0)
-    assert not _group_alive(node0.pid), "processes of node 0 outlived its API server"
-    assert not _group_alive(node1.pid)
     # node 0's capture part is intact and readable: every request rank 0 served
     assert load_trace(nodes[0]["capture"]).num_requests == served[0]
 
