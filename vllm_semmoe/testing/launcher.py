@@ -38,10 +38,21 @@ def next_engine(port: int) -> None:
 
 def release_parallel_state() -> None:
     """Once the caller has dropped its engine: collect it and free vLLM's process-wide parallel
-    groups, so that the next engine of this process can set them up."""
+    groups, so that the next engine of this process can set them up.
+
+    What survives is then frozen (``gc.freeze``), as vLLM freezes its heap once an engine has
+    started: nothing of the old engine is left, and the next engine's start does not re-scan
+    the ~620,000 objects of vLLM's import-time heap at every ``gc.collect()`` it makes before
+    freezing its own (0.35 CPU-seconds each here). vLLM unfreezes everything when that engine
+    shuts down, and so does this process at exit (frozen objects would outlive interpreter
+    shutdown, which extensions such as Triton's report as leaks)."""
+    import atexit
     import gc
 
     from vllm.distributed import cleanup_dist_env_and_memory
 
     gc.collect()
     cleanup_dist_env_and_memory()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
