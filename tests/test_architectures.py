@@ -317,10 +317,11 @@ def multi_rank_runs(baselines, tmp_path_factory):
     import os
     import sys
 
-    from test_cpu_parallel import _engine_env, _free_port
+    from test_cpu_parallel import _engine_env
 
     from vllm_semmoe.core.capture_store import parts_dir, read_capture, segment_files
     from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.testing.launcher import rendezvous_ports
     from vllm_semmoe.tools.engine import default_cache_root
 
     cache = {}
@@ -333,10 +334,11 @@ def multi_rank_runs(baselines, tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"{arch}_multi_rank")
         tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
         runs = {}
+        ports = iter(rendezvous_ports(3))  # one per offline (TP 2) engine
 
         def offline(name, tables, **semmoe):
             build_tables(trace, tables).save(tmp / name)  # the TP tables of every offline run
-            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"), "port": _free_port(),
+            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"), "port": next(ports),
                           "semmoe": {"tables": str(tmp / name), **semmoe, "capture": str(tmp / f"{name}.npz")}}
 
         offline("placed", random_placement(trace.num_layers, trace.num_experts, 2, seed=2))

@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.tools.bench_serve import wait_healthy
+from vllm_semmoe.tools.bench_serve import free_port, wait_healthy
 
 pytest.importorskip("vllm")
 
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
-    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group, _launched,
+    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _launched,
     _post_json, _run_bounded, _tail, clear_outputs)
 from test_route import check_route_header_steers_requests  # noqa: E402
 
@@ -171,7 +171,7 @@ def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: 
     """``semmoe serve`` (= ``vllm serve`` with the plugin settings) DP 2 + EP, mode dp, compiled:
     the README's DP serving command as written (no --enforce-eager). The server starts, Sem-MoE
     chooses the ranks, every completion is HTTP 200 and equals TP 1's greedy output."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     # the README's command: semmoe serve MODEL --data-parallel-size 2 --enable-expert-parallel --tables T --mode dp
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", str(tiny_moe_path()),

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,8 @@ import pytest
 
 from shared_fixtures import DATA_DIR
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.tools.bench_serve import wait_healthy
+from vllm_semmoe.tools.bench_serve import free_port, wait_healthy
+from vllm_semmoe.testing.launcher import rendezvous_ports
 from vllm_semmoe.testing.processes import fresh_cache_root
 
 pytest.importorskip("vllm")
@@ -123,12 +123,6 @@ def _run_bounded(cmd: list[str], env: dict[str, str], log: Path, timeout: float)
     if rc != 0:
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         pytest.fail(f"{' '.join(cmd[:4])} ... failed with {how}\n{_tail(log)}")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # One engine run: greedy-decode PROMPTS, write token ids/text as JSON, and (with the mp
@@ -476,7 +470,7 @@ if __name__ == "__main__":
 
 def test_cpu_communicator_gatherv_scatterv(tmp_path: Path) -> None:
     """all_gatherv / reduce_scatterv over two gloo ranks give the exact expected tensors."""
-    port = _free_port()
+    port = free_port()
     env = _engine_env(tmp_path, VLLM_DIST_IDENT=f"semmoe-test-{os.getpid()}-{port}")
     procs, logs = [], []
     try:
@@ -560,7 +554,7 @@ def test_serve_dp2_matches_tp1(reference: dict[int, dict], tmp_path: Path,
     results back. Requests go to both DP ranks (``X-data-parallel-rank``) at the same time, so
     the ranks gather different numbers of tokens (and an idle rank runs dummy batches).
     """
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = _vllm_serve_cmd() + [
         str(tiny_moe_path()), "--host", "127.0.0.1", "--port", str(port),
@@ -700,7 +694,7 @@ def _launched(tmp: Path, tp: int, runs: dict[str, dict]) -> dict[str, dict]:
 
     out = tmp / "launched.json"
     cfg = {"model": str(tiny_moe_path()), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out), "tp": tp,
-           "runs": {name: {**run, "port": _free_port()} for name, run in runs.items()}}
+           "runs": {name: {**run, "port": port} for (name, run), port in zip(runs.items(), rendezvous_ports(len(runs)))}}
     env = _engine_env(tmp, VLLM_CPU_OMP_THREADS_BIND="|".join(str(r % 2) for r in range(tp)))
     script = [sys.executable, "-c", LAUNCHED_SCRIPT, json.dumps(cfg)]
     logs = [tmp / f"launched.rank{rank}.log" for rank in range(tp)]

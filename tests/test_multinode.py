@@ -38,12 +38,12 @@ import numpy as np
 import pytest
 
 from vllm_semmoe.assets import tiny_moe_path
-from vllm_semmoe.tools.bench_serve import wait_healthy
+from vllm_semmoe.tools.bench_serve import free_port, wait_healthy
 
 pytest.importorskip("vllm")
 
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
-    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _free_port, _kill_group, _post_json, _tail)
+    MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _post_json, _tail)
 from test_route import _prompt_tokens_per_engine  # noqa: E402
 
 DP = 2
@@ -130,7 +130,7 @@ def _deployed(tmp: Path):
     """Node 0 (API server + DP rank 0) and node 1 (headless, DP rank 1), healthy; every process
     of both nodes is gone once the block ends."""
     tables = _solve_tables(tmp)
-    port, rpc_port = _free_port(), _free_port()
+    port, rpc_port = free_port(), free_port()
     cpus = sorted(os.sched_getaffinity(0))
     nodes = {}
     for rank in range(DP):

@@ -30,6 +30,37 @@ def become_launched_rank(rank: int, world_size: int) -> None:
     ExecutorWithExternalLauncher._distributed_args = distributed_args
 
 
+def rendezvous_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, free now and below the kernel's range of
+    ephemeral ports (``net.ipv4.ip_local_port_range``), one per engine the ranks will start.
+
+    The ranks meet at these ports minutes after they are chosen. A port from the ephemeral
+    range (what binding port 0 gives) can meanwhile be handed to any outgoing connection (gloo
+    opens many), and rank 0 then fails to listen (``EADDRINUSE``) while its peers wait for it;
+    below that range only an explicit bind takes a port."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = list(range(10000, ephemeral_low))
+    random.SystemRandom().shuffle(candidates)
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"fewer than {count} free ports below {ephemeral_low} on 127.0.0.1")
+
+
 def next_engine(port: int) -> None:
     """The rendezvous port of the next engine (each engine its own: a port just closed may
     still be held)."""
