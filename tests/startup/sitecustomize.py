@@ -17,7 +17,9 @@ about 30 % of their CPU time, and the suite is CPU-bound. So in test processes:
   the heap is unfrozen at exit, so that interpreter shutdown finalizes it as usual (frozen
   objects outlive it, and extensions such as Triton's then report them as leaked).
 
-Nothing here changes what a program computes, only when unreachable cycles are reclaimed.
+Nothing here changes what a program computes, only when unreachable cycles are reclaimed. It
+imports nothing of ``vllm_semmoe`` (the freeze is :func:`vllm_semmoe.testing.launcher.freeze_heap`'s,
+written out): the plugin-free baseline processes check that none of it is loaded.
 """
 
 import atexit
