@@ -2,17 +2,25 @@
 ranks: they inherit this environment) gets ``startup/sitecustomize.py`` (garbage collection that
 does not re-scan vLLM's import-time heap) and ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that
 have finished their share wait asleep instead of spinning, which on a 2-core machine running
-three test processes took CPU from the others. Neither changes what anything computes."""
+three test processes took CPU from the others; and ``SEMMOE_TEST_INDUCTOR_CACHE``, one Inductor
+cache for the run's compiled engines (created here, removed when this process ends; what an
+engine computes is the same, see ``startup/sitecustomize.py``)."""
 
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 STARTUP = Path(__file__).resolve().parent / "startup"
 if str(STARTUP) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "SEMMOE_TEST_INDUCTOR_CACHE" not in os.environ:  # the run's first process; the rest inherit it
+    os.environ["SEMMOE_TEST_INDUCTOR_CACHE"] = _inductor = tempfile.mkdtemp(prefix="semmoe-inductor-")
+    atexit.register(shutil.rmtree, _inductor, ignore_errors=True)
 if "sitecustomize" not in sys.modules:  # this process started before PYTHONPATH named it
     _spec = importlib.util.spec_from_file_location("sitecustomize", STARTUP / "sitecustomize.py")
     sys.modules["sitecustomize"] = _module = importlib.util.module_from_spec(_spec)

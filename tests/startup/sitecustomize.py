@@ -17,8 +17,18 @@ about 30 % of their CPU time, and the suite is CPU-bound. So in test processes:
   the heap is unfrozen at exit, so that interpreter shutdown finalizes it as usual (frozen
   objects outlive it, and extensions such as Triton's then report them as leaked).
 
-Nothing here changes what a program computes, only when unreachable cycles are reclaimed. It
-imports nothing of ``vllm_semmoe`` (the freeze is :func:`vllm_semmoe.testing.launcher.freeze_heap`'s,
+And one cache of compiled kernels for the whole suite. vLLM points ``TORCHINDUCTOR_CACHE_DIR``
+at a folder per hash of the engine's whole configuration, which includes the plugin's table and
+capture paths, so every compiled engine in the suite compiled every kernel again (about
+22 CPU-seconds of ``g++`` per rank for the tiny model). Inductor's own caches in that folder (FX
+graphs, AOT autograd, generated C++ and its built libraries) are keyed by their content: the
+traced graph, its inputs' metadata, the compiler's configuration and versions. Where
+``SEMMOE_TEST_INDUCTOR_CACHE`` names a folder, every write of ``TORCHINDUCTOR_CACHE_DIR`` in
+this process (vLLM's included) names that folder instead; an engine still traces its model and
+still builds every graph that differs, it only reuses what an identical graph built before.
+
+Nothing here changes what a program computes: only when unreachable cycles are reclaimed, and
+where identical compiled kernels are looked up. It imports nothing of ``vllm_semmoe`` (the freeze is :func:`vllm_semmoe.testing.launcher.freeze_heap`'s,
 written out): the plugin-free baseline processes check that none of it is loaded.
 """
 
@@ -26,9 +36,22 @@ import atexit
 import gc
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 gc.set_threshold(700, 10, 1000)
+
+_SHARED_INDUCTOR_CACHE = os.environ.get("SEMMOE_TEST_INDUCTOR_CACHE")
+if _SHARED_INDUCTOR_CACHE:
+    _environ_setitem = os._Environ.__setitem__
+
+    def _setitem(self, key, value):
+        if key == "TORCHINDUCTOR_CACHE_DIR" and self is os.environ:
+            value = _SHARED_INDUCTOR_CACHE
+        _environ_setitem(self, key, value)
+
+    os._Environ.__setitem__ = _setitem
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _SHARED_INDUCTOR_CACHE
 
 
 class _FreezeAtFirstPluginLoad(importlib.abc.MetaPathFinder):
