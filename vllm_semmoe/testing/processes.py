@@ -57,8 +57,10 @@ def log_tail(path: str | os.PathLike, lines: int = 60) -> str:
 
 def fresh_cache_root(path: str | os.PathLike) -> str:
     """A vLLM cache root (``VLLM_CACHE_ROOT``) of its own at ``path``, for an engine whose compile
-    caches must start empty, sharing only vLLM's model-info cache (``modelinfos/``, entries keyed
-    by the hash of the model's source file) with :func:`~vllm_semmoe.tools.engine.default_cache_root`:
+    caches must start empty (the test suite still shares Inductor's content-keyed cache, see
+    ``tests/startup/sitecustomize.py``), sharing only vLLM's model-info cache (``modelinfos/``,
+    entries keyed by the hash of the model's source file) with
+    :func:`~vllm_semmoe.tools.engine.default_cache_root`:
     with no entry for a model class, vLLM inspects it in a child process that imports all of vLLM
     (about 9 CPU-seconds on this machine) at every engine start."""
     from ..tools.engine import default_cache_root
