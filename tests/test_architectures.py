@@ -24,10 +24,10 @@ which experts share a rank too), so token identity there is luck, not a property
 one CPU and failed on another (DeepSeek-V3 placement-only: the captured token ids parted).
 
 Engines are shared: one plugin-free process runs the baselines of every architecture the
-session selected, and two processes per architecture run all its multi-rank engines: the TP 2 +
-EP cells and the refused replica layout with one TP rank in each (vLLM's external launcher, as
-``torchrun`` launches offline TP), then DP 2 + EP (``vllm serve``'s engine client and engine
-processes).
+session selected, and two processes run the multi-rank engines of every selected architecture
+that needs the same environment (:func:`multi_rank_env`): the TP 2 + EP cells and the refused
+replica layouts with one TP rank in each (vLLM's external launcher, as ``torchrun`` launches
+offline TP), then DP 2 + EP (``vllm serve``'s engine client and engine processes).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_gpt_oss_is_refused_at_start(arch, baselines, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# TP 2 + expert parallel and DP 2 + expert parallel (one subprocess per architecture)
+# TP 2 + expert parallel and DP 2 + expert parallel (two processes per engine environment)
 # ---------------------------------------------------------------------------------------------
 
 MULTI_RANK_SCRIPT = r"""
@@ -209,7 +209,7 @@ def offline(cfg, run):
     next_engine(run["port"])
     llm = None
     try:
-        llm = make_llm(cfg["model"], run["semmoe"], max_model_len=256, dtype=cfg["dtype"], in_process=False,
+        llm = make_llm(run["model"], run["semmoe"], max_model_len=256, dtype=run["dtype"], in_process=False,
                        tensor_parallel_size=2, enable_expert_parallel=True,
                        distributed_executor_backend="external_launcher", seed=0)
         outs = generate(llm, fit_prompts(llm, cfg["prompts"], 256, cfg["max_tokens"]), cfg["max_tokens"])
@@ -227,7 +227,7 @@ async def served(cfg, run):
     # vLLM's async engine with internal DP load balancing: the client (DPLBAsyncMPClient) whose
     # rank choice the plugin's dp mode replaces, as under `vllm serve --data-parallel-size 2`
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=cfg["model"], dtype=cfg["dtype"], max_model_len=256, enforce_eager=True, seed=0,
+        model=run["model"], dtype=run["dtype"], max_model_len=256, enforce_eager=True, seed=0,
         enable_prefix_caching=False, data_parallel_size=2, enable_expert_parallel=True,
         additional_config={"semmoe": run["semmoe"]}))
     try:
@@ -293,11 +293,12 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def multi_rank_runs(baselines, tmp_path_factory):
-    """Per architecture, two processes running all its multi-rank engines, in its multi-rank
-    setting (float32; MLA architectures through the MHA path): the TP 2 engines with one TP rank
-    in each (vLLM's external launcher, so that no engine starts worker processes of its own),
-    then DP 2 from the first:
+def multi_rank_runs(request, baselines, tmp_path_factory):
+    """Per architecture, its multi-rank engines, in its multi-rank setting (float32; MLA
+    architectures through the MHA path). At the first cell that needs them, every architecture
+    the session selected in this module with the same engine environment (:func:`multi_rank_env`)
+    runs in one pair of processes: the TP 2 engines with one TP rank in each (vLLM's external
+    launcher, so that no engine starts worker processes of its own), then DP 2 from the first:
 
     - ``placed``: TP 2 + EP, placement-only with a random placement;
     - ``tp_mode``: TP 2 + EP, ``tp`` mode with Sem-MoE tables;
@@ -306,11 +307,11 @@ def multi_rank_runs(baselines, tmp_path_factory):
     - ``dp_mode``: DP 2 + EP, Sem-MoE's ``dp`` mode (tables solved for DP 2 from the baseline:
       the placement, the API-side router, the sparse dispatch).
 
-    Returns ``(results, log)``: run -> {"tokens", "trace" (request-id order), "summary",
-    "segments"} or {"error"}, and the processes' log. The DP prompts are in flight together,
-    except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP already parts from TP 1
-    (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice whose top-2
-    logprob gap was 0.003, every token's routing still equal), so both that run and its
+    Returns ``(results, logs)``: run -> {"tokens", "trace" (request-id order), "summary",
+    "segments"} or {"error"}, and run -> its log (both ranks' parts). The DP prompts are in
+    flight together, except for DeepSeek's MHA path: there stock vLLM at DP 2 + EP already parts
+    from TP 1 (float32: its batches of 2 per rank against TP 1's 4 tipped a greedy choice whose
+    top-2 logprob gap was 0.003, every token's routing still equal), so both that run and its
     baseline serve one request at a time: every step's batch is that request alone.
     """
     import json
@@ -324,21 +325,25 @@ def multi_rank_runs(baselines, tmp_path_factory):
     from vllm_semmoe.testing.launcher import rendezvous_ports
     from vllm_semmoe.tools.engine import default_cache_root
 
+    selected = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and "multi_rank_runs" in item.fixturenames and callspec is not None:
+            if callspec.params.get("arch") not in selected:
+                selected.append(callspec.params["arch"])
     cache = {}
 
-    def get(arch):
-        if arch in cache:
-            return cache[arch]
+    def arch_runs(arch, tmp):
+        """``arch``'s runs (engine settings and tables written under ``tmp``), in run order."""
         base = baselines(arch)
         trace = base["tp1"].trace
-        tmp = tmp_path_factory.mktemp(f"{arch}_multi_rank")
-        tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        common = {"model": str(checkpoint(arch)), "dtype": dtype_of(arch, ranks=2)}
         runs = {}
-        ports = iter(rendezvous_ports(3))  # one per offline (TP 2) engine
 
         def offline(name, tables, **semmoe):
             build_tables(trace, tables).save(tmp / name)  # the TP tables of every offline run
-            runs[name] = {"kind": "offline", "env": tp2, "capture": str(tmp / f"{name}.npz"), "port": next(ports),
+            runs[name] = {**common, "kind": "offline", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                          "capture": str(tmp / f"{name}.npz"),
                           "semmoe": {"tables": str(tmp / name), **semmoe, "capture": str(tmp / f"{name}.npz")}}
 
         offline("placed", random_placement(trace.num_layers, trace.num_experts, 2, seed=2))
@@ -350,18 +355,38 @@ def multi_rank_runs(baselines, tmp_path_factory):
         build_tables(ref, get_policy("semmoe").solve(ref, 2, mode="dp"), mode="dp").save(tmp / "dp_mode")
         # the baseline's prompt token ids (the tokenizer's, as the offline runs fit them)
         prompts = [ref.tokens[a:b][~ref.is_decode[a:b]].tolist() for a, b in zip(ref.offsets[:-1], ref.offsets[1:])]
-        runs["dp_mode"] = {"kind": "dp", "env": {}, "one_at_a_time": one_at_a_time, "prompt_token_ids": prompts,
-                           "capture": str(tmp / "dp_mode.npz"),
+        runs["dp_mode"] = {**common, "kind": "dp", "env": {}, "one_at_a_time": one_at_a_time,
+                           "prompt_token_ids": prompts, "capture": str(tmp / "dp_mode.npz"),
                            "semmoe": {"tables": str(tmp / "dp_mode"), "mode": "dp",
                                       "capture": str(tmp / "dp_mode.npz")}}
-        # the offline engines first, the refused one last of them (nothing offline runs after an
-        # engine that failed to start), then DP 2 (engine processes of its own)
-        if "replicas_refused" in runs:
-            runs["replicas_refused"] = runs.pop("replicas_refused")
-        runs["dp_mode"] = runs.pop("dp_mode")
+        return runs
+
+    def get(arch):
+        if arch in cache:
+            return cache[arch]
+        env_of = json.dumps(multi_rank_env(arch), sort_keys=True)
+        group = [a for a in selected if a not in cache and json.dumps(multi_rank_env(a), sort_keys=True) == env_of]
+        group += [] if arch in group else [arch]
+        tmp = tmp_path_factory.mktemp("multi_rank")
+        planned = {}
+        for a in list(group):
+            (tmp / a).mkdir()
+            try:
+                planned.update({f"{a}/{name}": run for name, run in arch_runs(a, tmp / a).items()})
+            except pytest.fail.Exception:  # its baseline failed: its own cells say so
+                if a == arch:
+                    raise
+                group.remove(a)
+        # the offline engines that start first, then the refused ones (an engine that fails to
+        # start comes after every one that must run), then DP 2 (engine processes of its own)
+        phase = {"offline": 0, "refused": 1, "dp": 2}
+        order = sorted(planned, key=lambda name: phase["refused" if name.endswith("/replicas_refused")
+                                                     else planned[name]["kind"]])
+        ports = iter(rendezvous_ports(sum(run["kind"] == "offline" for run in planned.values())))
+        runs = {name: {**planned[name], **({"port": next(ports)} if planned[name]["kind"] == "offline" else {})}
+                for name in order}
         out, log, peer_log = tmp / "multi_rank.json", tmp / "multi_rank.log", tmp / "multi_rank.rank1.log"
-        cfg = {"model": str(checkpoint(arch)), "dtype": dtype_of(arch, ranks=2), "prompts": PROMPTS,
-               "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
+        cfg = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "out": str(out), "runs": runs}
         # a DP engine's workers outlive vLLM's shutdown grace (default 5 s) and are then sent
         # SIGTERM; every result is written by then (the captures step by step), so wait 1 s.
         # vLLM's cache is the one this process's engines use: each model class inspected once
@@ -371,32 +396,46 @@ def multi_rank_runs(baselines, tmp_path_factory):
         script = [sys.executable, "-c", MULTI_RANK_SCRIPT, json.dumps(cfg)]
         rc = run_sessions([script + ["0"], script + ["1"]], env, [log, peer_log], 600 * len(runs))[0]
         done = json.loads(out.read_text()) if out.exists() else {}
-        results = {}
-        for name, run in runs.items():
-            result = done.get(name) or {"error": f"the process ended ({'timed out' if rc is None else f'exit {rc}'}) "
-                                                 "before this run finished"}
-            if "error" not in result:
-                if run["kind"] == "dp":
-                    directory = parts_dir(run["capture"])
-                    result["trace"] = read_capture(directory)
-                    result["segments"] = segment_files(directory)
-                else:
-                    result["trace"] = load_trace(run["capture"])
-                result["trace"] = by_request_id(result["trace"])
-            results[name] = result
-        cache[arch] = (results, log.read_text(errors="replace") + "\n=== TP rank 1\n"
-                       + peer_log.read_text(errors="replace"))
+        text = log.read_text(errors="replace") + "\n=== TP rank 1\n" + peer_log.read_text(errors="replace")
+        for a in group:
+            results, logs = {}, {}
+            for name, run in runs.items():
+                if not name.startswith(f"{a}/"):
+                    continue
+                short = name.split("/", 1)[1]
+                result = done.get(name) or {"error": f"the process ended ({'timed out' if rc is None else f'exit {rc}'}) "
+                                                     "before this run finished"}
+                if "error" not in result:
+                    if run["kind"] == "dp":
+                        directory = parts_dir(run["capture"])
+                        result["trace"] = read_capture(directory)
+                        result["segments"] = segment_files(directory)
+                    else:
+                        result["trace"] = load_trace(run["capture"])
+                    result["trace"] = by_request_id(result["trace"])
+                results[short] = result
+                logs[short] = _run_log(text, name) or text  # a run that never started: the whole log
+            cache[a] = (results, logs)
         return cache[arch]
 
     return get
 
 
+def _run_log(text: str, name: str) -> str:
+    """The parts of a multi-rank log that run ``name`` wrote (each rank's, from its ``=== run``
+    line to the next run's or the next rank's log)."""
+    import re
+
+    parts = re.split(r"^(?==== run |=== TP rank 1$)", text, flags=re.M)
+    return "".join(part for part in parts if part.startswith(f"=== run {name}\n"))
+
+
 def _served(multi_rank_runs, arch: str, name: str) -> dict:
-    """Run ``name`` of ``arch``'s multi-rank process; the cell fails with its error and the log."""
-    results, log = multi_rank_runs(arch)
+    """Run ``name`` of ``arch``'s multi-rank engines; the cell fails with its error and its log."""
+    results, logs = multi_rank_runs(arch)
     result = results[name]
     if "error" in result:
-        pytest.fail(f"{arch} {name}: {result['error']}\n{log[-4000:]}")
+        pytest.fail(f"{arch} {name}: {result['error']}\n{logs[name][-4000:]}")
     return result
 
 
@@ -439,9 +478,9 @@ def test_tp_mode_tp2_ep_replicas(arch, baselines, multi_rank_runs):
 def test_replicas_refused_where_the_model_builds_no_redundant_slots(arch, multi_rank_runs):
     """A model class that ignores vLLM's ``num_redundant_experts`` cannot hold replicas: the
     engine refuses to start, naming the model class and why, instead of serving home copies only."""
-    results, log = multi_rank_runs(arch)
+    results, logs = multi_rank_runs(arch)
     assert "error" in results["replicas_refused"], "the replicated layout started"
-    refusal = log.split("=== run replicas_refused", 1)[-1]
+    refusal = logs["replicas_refused"]
     assert "does not build vLLM's redundant expert slots (num_redundant_experts)" in refusal, refusal[-3000:]
 
 
@@ -453,8 +492,8 @@ def test_dp_mode_dp2_ep(arch, baselines, multi_rank_runs):
 
     base = multi_rank_baseline(baselines(arch), "one_at_a_time" if arch in BF16_ONLY else "batched")
     run = _served(multi_rank_runs, arch, "dp_mode")
-    _, log = multi_rank_runs(arch)
-    assert "Sem-MoE DP routing over 2 ranks" in log.split("=== run dp_mode", 1)[-1], log[-3000:]
+    _, logs = multi_rank_runs(arch)
+    assert "Sem-MoE DP routing over 2 ranks" in logs["dp_mode"], logs["dp_mode"][-3000:]
     served = [sum(len(step["token"]) for step in read_segment(path)[1]) for path in run["segments"]]
     assert len(served) == 2 and min(served) > 0, f"tokens captured per DP rank: {served}"
     assert_same_routing(run["trace"], base.trace, f"{arch} dp mode DP2+EP")
