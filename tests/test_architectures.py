@@ -120,17 +120,23 @@ def baseline_runs(arch: str) -> dict[str, dict]:
     return runs
 
 
+def selected_archs(request, fixture: str) -> list[str]:
+    """The architectures of the session's cells in this module that use ``fixture``, in order."""
+    selected = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and fixture in item.fixturenames and callspec is not None:
+            if callspec.params.get("arch") not in selected:
+                selected.append(callspec.params["arch"])
+    return selected
+
+
 @pytest.fixture(scope="module")
 def baselines(request, tmp_path_factory):
     """Per architecture: ``{run: PluginFreeRun}`` of :func:`baseline_runs`, with the plugin not
     loaded. At the first cell that needs one, the baselines of every architecture the session
     selected in this module run in one process (one interpreter and vLLM start for all)."""
-    selected = []
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.module is request.module and "baselines" in item.fixturenames and callspec is not None:
-            if callspec.params.get("arch") not in selected:
-                selected.append(callspec.params["arch"])
+    selected = selected_archs(request, "baselines")
     workdir = tmp_path_factory.mktemp("plugin_free")
     cache: dict = {}
 
@@ -325,12 +331,7 @@ def multi_rank_runs(request, baselines, tmp_path_factory):
     from vllm_semmoe.testing.launcher import rendezvous_ports
     from vllm_semmoe.tools.engine import default_cache_root
 
-    selected = []
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.module is request.module and "multi_rank_runs" in item.fixturenames and callspec is not None:
-            if callspec.params.get("arch") not in selected:
-                selected.append(callspec.params["arch"])
+    selected = selected_archs(request, "multi_rank_runs")
     cache = {}
 
     def arch_runs(arch, tmp):
