@@ -19,8 +19,8 @@ about 30 % of their CPU time, and the suite is CPU-bound. So in test processes:
 
 And one cache of compiled kernels for the whole suite. vLLM points ``TORCHINDUCTOR_CACHE_DIR``
 at a folder per hash of the engine's whole configuration, which includes the plugin's table and
-capture paths, so every compiled engine in the suite compiled every kernel again (about
-22 CPU-seconds of ``g++`` per rank for the tiny model). Inductor's own caches in that folder (FX
+capture paths, so every compiled engine in the suite compiled every kernel again (mostly
+``g++``: 15-20 CPU-seconds per engine for the tiny model). Inductor's own caches in that folder (FX
 graphs, AOT autograd, generated C++ and its built libraries) are keyed by their content: the
 traced graph, its inputs' metadata, the compiler's configuration and versions. Where
 ``SEMMOE_TEST_INDUCTOR_CACHE`` names a folder, every write of ``TORCHINDUCTOR_CACHE_DIR`` in
@@ -28,8 +28,9 @@ this process (vLLM's included) names that folder instead; an engine still traces
 still builds every graph that differs, it only reuses what an identical graph built before.
 
 Nothing here changes what a program computes: only when unreachable cycles are reclaimed, and
-where identical compiled kernels are looked up. It imports nothing of ``vllm_semmoe`` (the freeze is :func:`vllm_semmoe.testing.launcher.freeze_heap`'s,
-written out): the plugin-free baseline processes check that none of it is loaded.
+where identical compiled kernels are looked up. It imports nothing of ``vllm_semmoe`` (the
+freeze is :func:`vllm_semmoe.testing.launcher.freeze_heap`'s, written out): the plugin-free
+baseline processes check that none of it is loaded.
 """
 
 import atexit
