@@ -365,8 +365,7 @@ def multi_rank_runs(request, baselines, tmp_path_factory):
     def get(arch):
         if arch in cache:
             return cache[arch]
-        env_of = json.dumps(multi_rank_env(arch), sort_keys=True)
-        group = [a for a in selected if a not in cache and json.dumps(multi_rank_env(a), sort_keys=True) == env_of]
+        group = [a for a in selected if a not in cache and multi_rank_env(a) == multi_rank_env(arch)]
         group += [] if arch in group else [arch]
         tmp = tmp_path_factory.mktemp("multi_rank")
         planned = {}
@@ -398,25 +397,22 @@ def multi_rank_runs(request, baselines, tmp_path_factory):
         rc = run_sessions([script + ["0"], script + ["1"]], env, [log, peer_log], 600 * len(runs))[0]
         done = json.loads(out.read_text()) if out.exists() else {}
         text = log.read_text(errors="replace") + "\n=== TP rank 1\n" + peer_log.read_text(errors="replace")
-        for a in group:
-            results, logs = {}, {}
-            for name, run in runs.items():
-                if not name.startswith(f"{a}/"):
-                    continue
-                short = name.split("/", 1)[1]
-                result = done.get(name) or {"error": f"the process ended ({'timed out' if rc is None else f'exit {rc}'}) "
-                                                     "before this run finished"}
-                if "error" not in result:
-                    if run["kind"] == "dp":
-                        directory = parts_dir(run["capture"])
-                        result["trace"] = read_capture(directory)
-                        result["segments"] = segment_files(directory)
-                    else:
-                        result["trace"] = load_trace(run["capture"])
-                    result["trace"] = by_request_id(result["trace"])
-                results[short] = result
-                logs[short] = _run_log(text, name) or text  # a run that never started: the whole log
-            cache[a] = (results, logs)
+        cache.update({a: ({}, {}) for a in group})
+        for name, run in runs.items():
+            result = done.get(name) or {"error": f"the process ended ({'timed out' if rc is None else f'exit {rc}'}) "
+                                                 "before this run finished"}
+            if "error" not in result:
+                if run["kind"] == "dp":
+                    directory = parts_dir(run["capture"])
+                    result["trace"] = read_capture(directory)
+                    result["segments"] = segment_files(directory)
+                else:
+                    result["trace"] = load_trace(run["capture"])
+                result["trace"] = by_request_id(result["trace"])
+            a, short = name.split("/", 1)
+            results, logs = cache[a]
+            results[short] = result
+            logs[short] = _run_log(text, name) or text  # a run that never started: the whole log
         return cache[arch]
 
     return get

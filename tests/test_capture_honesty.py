@@ -372,8 +372,7 @@ def server(tmp_path_factory):
     os.makedirs(parts_dir(copy))
     os.mkfifo(segment_path(capture, 0))
     tee = SegmentTee(segment_path(capture, 0), segment_path(copy, 0))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"))
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--served-model-name",
            "tiny", "--capture", str(capture)]

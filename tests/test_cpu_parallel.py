@@ -74,7 +74,6 @@ def _engine_env(tmp: Path, **extra: str) -> dict[str, str]:
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CACHE_ROOT": fresh_cache_root(tmp / "vllm_cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor_cache"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     })

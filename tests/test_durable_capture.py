@@ -197,8 +197,7 @@ def test_capture_survives_signal(tmp_path, dp_tables, dp, sig):
     base = f"http://127.0.0.1:{port}"
     # vLLM's cache shared with the suite's other engines (each model class inspected once)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root(),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or default_cache_root())
     cmd = [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
            "--no-enable-prefix-caching", "--served-model-name", "tiny", "--capture", str(capture)]

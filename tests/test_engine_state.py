@@ -49,7 +49,7 @@ if __name__ == "__main__":
 
 def test_engines_one_after_another_start_clean_and_are_freed(tmp_path: Path) -> None:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CACHE_ROOT=fresh_cache_root(tmp_path / "vc"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic"),
+               VLLM_CACHE_ROOT=fresh_cache_root(tmp_path / "vc"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("VLLM_PLUGINS", None)
     cfg = {"model": str(tiny_moe_path()), "capture": str(tmp_path / "cap"),

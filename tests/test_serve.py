@@ -86,8 +86,7 @@ def server(tmp_path_factory):
     trace = synthetic_trace(num_layers=4, num_experts=32, top_k=4, vocab_size=6144, num_requests=60)
     build_tables(trace, get_policy("semmoe").solve(trace, 8)).save(work / "tables")
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=fresh_cache_root(work / "cache"))
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_semmoe.cli", "serve", tiny_moe_path(), "--host", "127.0.0.1",

@@ -95,7 +95,6 @@ def test_vllm_greedy_generation(model_dir: Path, tmp_path: Path,
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_CACHE_ROOT", fresh_cache_root(tmp_path / "vllm_cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     monkeypatch.setenv("VLLM_PLUGINS", "")  # the asset on its own, without project plugins
     # ...but this process has imported Numba (llvmlite) in earlier tests, whose ctypes wrappers
     # crash vLLM 0.32's Triton re-binding scan; the plugin normally installs this workaround.
