@@ -1,6 +1,8 @@
 """Fixtures shared by tests/ and benchmarks/ (imported by both conftest.py files)."""
 
 import os
+import re
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,23 @@ from vllm_semmoe.core.capture_store import load_trace
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("SEMMOE_DATA_DIR", REPO.parent / "shared" / "data"))
 DEV_TRACE = DATA_DIR / "routing" / "dsv2lite_puffin-dev.npz"
+
+
+def metrics_text(base: str) -> str:
+    """The ``/metrics`` page of the server at ``base``."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def per_label(text: str, metric: str, label: str, **only: str) -> dict[int, float]:
+    """``metric`` summed per value of ``label`` on a ``/metrics`` page, over the samples whose
+    labels include ``only``."""
+    counts: dict[int, float] = {}
+    for labels, value in re.findall(rf"^{re.escape(metric)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        found = re.search(rf'{label}="(\d+)"', labels)
+        if found and all(f'{key}="{want}"' in labels for key, want in only.items()):
+            counts[int(found.group(1))] = counts.get(int(found.group(1)), 0.0) + float(value)
+    return counts
 
 
 @pytest.fixture(scope="session")

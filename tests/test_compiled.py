@@ -34,6 +34,7 @@ from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _launched,
     _post_json, _run_bounded, _tail, clear_outputs)
 from test_route import check_route_header_steers_requests  # noqa: E402
+from shared_fixtures import metrics_text, per_label  # noqa: E402
 
 ENGINE_TIMEOUT_S = 480
 
@@ -167,10 +168,33 @@ def test_compiled_tp2_shuffle(reference: dict, tp2_shuffled: dict, R: int) -> No
               f"decoder layers ({share:.1%})")
 
 
+def check_two_engines_on_metrics(base: str, timeout: float = 30) -> None:
+    """Both DP ranks' MoE counters on ``/metrics``, through the API servers vLLM starts by default
+    (one per DP rank, Prometheus multiprocess mode): each rank dispatched rows, and what one rank
+    dispatches comes back to it as the other's combine (both ran the same forwards). Read until
+    two reads a second apart agree (the engines publish after each step)."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        text = metrics_text(base)
+        now = {op: per_label(text, "vllm:semmoe_moe_bytes_total", "dp_rank", op=op) for op in ("dispatch", "combine")}
+        now["activations"] = {kind: per_label(text, f"vllm:semmoe_{kind}_activations_total", "dp_rank")
+                              for kind in ("local", "remote")}
+        if now == last or time.monotonic() > deadline:
+            break
+        last = now
+        time.sleep(1.0)
+    dispatch, combine = now["dispatch"], now["combine"]
+    assert sorted(dispatch) == sorted(combine) == [0, 1], now
+    assert all(dispatch[rank] > 0 and combine[rank] == dispatch[1 - rank] for rank in (0, 1)), now
+    assert all(sorted(counts) == [0, 1] for counts in now["activations"].values()), now
+    assert all(now["activations"]["remote"][rank] > 0 for rank in (0, 1)), now
+
+
 def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: Path) -> None:
     """``semmoe serve`` (= ``vllm serve`` with the plugin settings) DP 2 + EP, mode dp, compiled:
     the README's DP serving command as written (no --enforce-eager). The server starts, Sem-MoE
-    chooses the ranks, every completion is HTTP 200 and equals TP 1's greedy output."""
+    chooses the ranks, every completion is HTTP 200 and equals TP 1's greedy output, and both
+    engines' MoE counters reach ``/metrics`` (:func:`check_two_engines_on_metrics`)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # the README's command: semmoe serve MODEL --data-parallel-size 2 --enable-expert-parallel --tables T --mode dp
@@ -198,6 +222,7 @@ def test_compiled_serve_dp2_dp_mode(reference: dict, dp_tables: Path, tmp_path: 
         assert not problems, "\n".join(problems) + f"\n{_tail(log, 30)}"
         # an outside router: `semmoe route`'s top rank, sent as vLLM's X-data-parallel-rank header
         check_route_header_steers_requests(base, dp_tables, "tiny")
+        check_two_engines_on_metrics(base)
         text = log.read_text(errors="replace")
         assert "Sem-MoE DP routing over 2 ranks" in text
         assert "enforce_eager=False" in text and "DYNAMO_TRACE_ONCE" in text

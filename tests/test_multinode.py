@@ -24,14 +24,11 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +42,7 @@ pytest.importorskip("vllm")
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _post_json, _tail)
 from test_route import _prompt_tokens_per_engine  # noqa: E402
+from shared_fixtures import metrics_text, per_label  # noqa: E402
 
 DP = 2
 #: seconds the API server may take to end once a node is lost (vLLM's engine-death handling)
@@ -91,22 +89,6 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _metrics_text(base: str) -> str:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        return resp.read().decode()
-
-
-def _per_label(text: str, metric: str, label: str, **only: str) -> dict[int, float]:
-    """``metric`` summed per value of ``label`` on a ``/metrics`` page, over the samples whose
-    labels include ``only``."""
-    counts: dict[int, float] = {}
-    for labels, value in re.findall(rf"^{re.escape(metric)}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        found = re.search(rf'{label}="(\d+)"', labels)
-        if found and all(f'{key}="{want}"' in labels for key, want in only.items()):
-            counts[int(found.group(1))] = counts.get(int(found.group(1)), 0.0) + float(value)
-    return counts
 
 
 def _settled_json(path: Path, timeout: float = 60) -> dict:
@@ -174,7 +156,7 @@ def _wait_for_successes(base: str, served: dict[int, int], timeout: float = 30) 
     rank): the API server counts a request's stats as its last output arrives."""
     want = {e: float(n) for e, n in served.items()}
     deadline = time.monotonic() + timeout
-    while (got := _per_label(_metrics_text(base), "vllm:request_success_total", "engine")) != want:
+    while (got := per_label(metrics_text(base), "vllm:request_success_total", "engine")) != want:
         assert time.monotonic() < deadline, f"requests per engine on /metrics: {got}, served {want}"
         time.sleep(0.5)
 
@@ -244,8 +226,8 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
         time.sleep(0.5)
     assert moved == {e: float(17 + e) for e in range(DP)}, moved
     _wait_for_successes(base, served)
-    metrics = _metrics_text(base)
-    assert _per_label(metrics, "vllm:semmoe_requests_total", "dp_rank") == {e: 1.0 for e in range(DP)}
+    metrics = metrics_text(base)
+    assert per_label(metrics, "vllm:semmoe_requests_total", "dp_rank") == {e: 1.0 for e in range(DP)}
 
     # 3. each node counts its own MoE bytes (its live counters, in its own directory); what one
     # rank dispatches to the other comes back as the other's combine, and both ran the same forwards
@@ -257,12 +239,16 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
         assert traffic[rank]["combine_bytes"] == traffic[1 - rank]["dispatch_bytes"], traffic
     assert traffic[0]["layers_run"] == traffic[1]["layers_run"], traffic
     print("two-node MoE traffic per rank:", json.dumps(traffic))
-    # node 0's /metrics carries the bytes of node 0's engine only: node 1 has no API server, its
-    # counts stay in its own files
-    metrics = _metrics_text(base)
+    # node 0's /metrics (its two API servers, vLLM's default of one per DP rank of the deployment,
+    # aggregate the engine process's counters in Prometheus multiprocess mode) carries the bytes and activations of node 0's engine only: node 1 has no
+    # API server, its counts stay in its own files
+    metrics = metrics_text(base)
     for op in ("dispatch", "combine", "metadata"):
-        assert _per_label(metrics, "vllm:semmoe_moe_bytes_total", "dp_rank", op=op) == \
+        assert per_label(metrics, "vllm:semmoe_moe_bytes_total", "dp_rank", op=op) == \
             {0: float(traffic[0][f"{op}_bytes"])}, op
+    for kind in ("local", "remote"):
+        assert per_label(metrics, f"vllm:semmoe_{kind}_activations_total", "dp_rank") == \
+            {0: float(traffic[0][f"{kind}_activations"])}, kind
 
     # 4. the capture: each node wrote its own part; copied together (as from two disks) they merge
     # into one trace holding every request, each with its prompt and generated tokens

@@ -218,7 +218,8 @@ def cmd_bench_serve(args) -> int:
                               max_tokens=args.max_tokens, profile_trace=args.profile_trace,
                               skip=args.skip, dp_balance=B, dp_price_step=args.dp_price_step,
                               dp_slack=S, dtype=args.dtype, redundant=R,
-                              enforce_eager=args.enforce_eager, nodes=args.nodes)
+                              enforce_eager=args.enforce_eager, nodes=args.nodes,
+                              api_server_count=args.api_server_count)
         if args.repeat > 1:
             run["repetition"], run["order"] = k, order
         run["dp_balance"], run["dp_slack"] = B, S
@@ -451,6 +452,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--nodes", type=positive_int, default=1,
                    help="DP: launch the deployment as this many nodes on this machine, vLLM's way (node 0: API "
                         "server, the others --headless), each with a capture directory of its own (default 1)")
+    p.add_argument("--api-server-count", type=positive_int, default=None,
+                   help="API server processes per deployment (vLLM's --api-server-count; default vLLM's: one "
+                        "per DP rank); with one, the engines' MoE counters are not on /metrics (the run's "
+                        "figures come from the engines' counters files either way)")
     p.add_argument("--skip", type=non_negative_int, default=3000,
                    help="ShareGPT prompts skipped first: the profile takes the next 300, the served prompts "
                         "follow (default 3000; 3000-3499 is the evaluation range, tune on others)")

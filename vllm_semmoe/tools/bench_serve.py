@@ -131,7 +131,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
                     profile_trace: str | None = None, profile_prompts: int = 300, skip: int = 3000,
                     max_model_len: int = 1024, startup_timeout: float = 900, dp_balance: float | None = None,
                     dp_price_step: float | None = None, dp_slack: float | None = None, dtype: str = "bfloat16",
-                    redundant: int = 0, enforce_eager: bool = False, nodes: int = 1) -> dict:
+                    redundant: int = 0, enforce_eager: bool = False, nodes: int = 1,
+                    api_server_count: int | None = None) -> dict:
     """Serve ``model`` with DP=``dp`` + EP (``tp`` 1) or TP=``tp`` + EP (``tp`` > 1, ``dp`` 1) and
     measure the ``policy`` (one of :data:`POLICIES`, or of :data:`TP_POLICIES` under TP).
     ``redundant``: replica slots per rank of the Sem-MoE placement (the policies on stock
@@ -144,7 +145,10 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
     ``enforce_eager``: serve with ``--enforce-eager``; by default in vLLM's default compiled
     mode, as ``vllm serve`` does (each engine compiles at start-up; piecewise CUDA graphs where
     there are CUDA graphs), the collectives inside the compiled graph counted by
-    :class:`~.ep_dispatch.CollectiveMeter`."""
+    :class:`~.ep_dispatch.CollectiveMeter`. ``api_server_count``: API server processes (vLLM's
+    ``--api-server-count``; ``None``: vLLM's default, one per DP rank). The engines' MoE counters
+    reach ``/metrics`` (``metrics`` of the result) only with more than one; the run's figures come
+    from the engines' own counters files either way."""
     if tp > 1 and dp != 1:
         raise ValueError(f"bench-serve runs DP + EP or TP + EP, not both (dp {dp}, tp {tp})")
     if nodes < 1 or dp % nodes or (nodes > 1 and tp > 1):
@@ -202,6 +206,8 @@ def run_bench_serve(model: str, dataset: str, workdir: str, *, dp: int = 2, tp: 
         if value is not None:
             cmd += [flag, str(value)]
     api = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "model"]
+    if api_server_count is not None:
+        api += ["--api-server-count", str(api_server_count)]
     if nodes == 1:
         commands = [(cmd + api + ["--capture", captures[0]], cpu_thread_binding(tp))]
     else:

@@ -35,14 +35,32 @@ logger = logging.getLogger("vllm.semmoe")
 _COUNTERS: dict = {}
 
 
+class CounterCollector:
+    """Exports ``counters`` on a Prometheus registry. vLLM's stat logger, when it starts, removes
+    from the process's default registry every collector named ``vllm:*``
+    (``vllm.v1.metrics.prometheus.unregister_vllm_metrics``), counters made before it included;
+    this collector has no name, so counters it exports stay on a single API server's ``/metrics``.
+    (With several API servers ``/metrics`` reads the counters' multiprocess files instead.)"""
+
+    def __init__(self, counters: tuple):
+        self.counters = counters
+
+    def collect(self):
+        for counter in self.counters:
+            yield from counter.collect()
+
+
 def prometheus_counters(key: str, specs: tuple) -> tuple:
     """The ``prometheus_client`` counters ``specs`` (``(name, help, labels)`` each), created once
-    per process under ``key``; ``()`` when Prometheus is unavailable (metrics are optional)."""
+    per process under ``key`` and exported on the default registry by a :class:`CounterCollector`;
+    ``()`` when Prometheus is unavailable (metrics are optional)."""
     if key not in _COUNTERS:
         try:
-            from prometheus_client import Counter
+            from prometheus_client import REGISTRY, Counter
 
-            _COUNTERS[key] = tuple(Counter(name, doc, list(labels)) for name, doc, labels in specs)
+            counters = tuple(Counter(name, doc, list(labels), registry=None) for name, doc, labels in specs)
+            REGISTRY.register(CounterCollector(counters))
+            _COUNTERS[key] = counters
         except Exception as exc:
             logger.warning("semmoe: no Prometheus counters for %s (%s)", key, exc)
             _COUNTERS[key] = ()
