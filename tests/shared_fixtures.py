@@ -2,6 +2,7 @@
 
 import os
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,20 @@ def per_label(text: str, metric: str, label: str, **only: str) -> dict[int, floa
         if found and all(f'{key}="{want}"' in labels for key, want in only.items()):
             counts[int(found.group(1))] = counts.get(int(found.group(1)), 0.0) + float(value)
     return counts
+
+
+def settled(read, what: str, timeout: float = 60):
+    """``read()`` once two reads a second apart agree (the engines that write it are idle);
+    ``read`` returns ``None`` while there is nothing to read yet. Fails the test after
+    ``timeout`` seconds, naming ``what`` was read."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        now = read()
+        if now is not None and now == last:
+            return now
+        last = now
+        time.sleep(1.0)
+    pytest.fail(f"{what}: not settled within {timeout:.0f} s (last read {last})")
 
 
 @pytest.fixture(scope="session")

@@ -366,7 +366,6 @@ def multi_rank_runs(request, baselines, tmp_path_factory):
         if arch in cache:
             return cache[arch]
         group = [a for a in selected if a not in cache and multi_rank_env(a) == multi_rank_env(arch)]
-        group += [] if arch in group else [arch]
         tmp = tmp_path_factory.mktemp("multi_rank")
         planned = {}
         for a in list(group):

@@ -34,7 +34,7 @@ from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _launched,
     _post_json, _run_bounded, _tail, clear_outputs)
 from test_route import check_route_header_steers_requests  # noqa: E402
-from shared_fixtures import metrics_text, per_label  # noqa: E402
+from shared_fixtures import metrics_text, per_label, settled  # noqa: E402
 
 ENGINE_TIMEOUT_S = 480
 
@@ -168,21 +168,19 @@ def test_compiled_tp2_shuffle(reference: dict, tp2_shuffled: dict, R: int) -> No
               f"decoder layers ({share:.1%})")
 
 
-def check_two_engines_on_metrics(base: str, timeout: float = 30) -> None:
+def check_two_engines_on_metrics(base: str) -> None:
     """Both DP ranks' MoE counters on ``/metrics``, through the API servers vLLM starts by default
-    (one per DP rank, Prometheus multiprocess mode): each rank dispatched rows, and what one rank
-    dispatches comes back to it as the other's combine (both ran the same forwards). Read until
-    two reads a second apart agree (the engines publish after each step)."""
-    deadline, last = time.monotonic() + timeout, None
-    while True:
+    (one per DP rank, Prometheus multiprocess mode), once the engines are idle (:func:`settled`):
+    each rank dispatched rows, and what one rank dispatches comes back to it as the other's
+    combine (both ran the same forwards)."""
+    def read() -> dict:
         text = metrics_text(base)
-        now = {op: per_label(text, "vllm:semmoe_moe_bytes_total", "dp_rank", op=op) for op in ("dispatch", "combine")}
-        now["activations"] = {kind: per_label(text, f"vllm:semmoe_{kind}_activations_total", "dp_rank")
-                              for kind in ("local", "remote")}
-        if now == last or time.monotonic() > deadline:
-            break
-        last = now
-        time.sleep(1.0)
+        counts = {op: per_label(text, "vllm:semmoe_moe_bytes_total", "dp_rank", op=op) for op in ("dispatch", "combine")}
+        counts["activations"] = {kind: per_label(text, f"vllm:semmoe_{kind}_activations_total", "dp_rank")
+                                 for kind in ("local", "remote")}
+        return counts
+
+    now = settled(read, f"{base}/metrics MoE counters", timeout=30)
     dispatch, combine = now["dispatch"], now["combine"]
     assert sorted(dispatch) == sorted(combine) == [0, 1], now
     assert all(dispatch[rank] > 0 and combine[rank] == dispatch[1 - rank] for rank in (0, 1)), now

@@ -42,7 +42,7 @@ pytest.importorskip("vllm")
 from test_cpu_parallel import (  # noqa: E402  (shared engine helpers)
     MAX_TOKENS, PROMPTS, REPO, SERVER_START_TIMEOUT_S, _engine_env, _kill_group, _post_json, _tail)
 from test_route import _prompt_tokens_per_engine  # noqa: E402
-from shared_fixtures import metrics_text, per_label  # noqa: E402
+from shared_fixtures import metrics_text, per_label, settled  # noqa: E402
 
 DP = 2
 #: seconds the API server may take to end once a node is lost (vLLM's engine-death handling)
@@ -91,20 +91,15 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _settled_json(path: Path, timeout: float = 60) -> dict:
-    """The live counters file ``path`` once two reads a second apart agree (the engine is idle)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+def _live_counters(path: Path) -> dict:
+    """The live counters file ``path`` once the engine is idle (:func:`settled`)."""
+    def read():
         try:
-            now = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except (OSError, ValueError):
-            now = None
-        if now is not None and now == last:
-            return now
-        last = now
-        time.sleep(1.0)
-    pytest.fail(f"{path}: no settled live counters within {timeout:.0f} s (last read {last})")
+            return None
+
+    return settled(read, f"{path}: live counters")
 
 
 @contextlib.contextmanager
@@ -231,7 +226,7 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
 
     # 3. each node counts its own MoE bytes (its live counters, in its own directory); what one
     # rank dispatches to the other comes back as the other's combine, and both ran the same forwards
-    live = {rank: _settled_json(Path(str(node["capture"]).replace(".npz", f".dp{rank}.npz.live.json")))
+    live = {rank: _live_counters(Path(str(node["capture"]).replace(".npz", f".dp{rank}.npz.live.json")))
             for rank, node in nodes.items()}
     traffic = {rank: counters["moe_traffic"] for rank, counters in live.items()}
     for rank in range(DP):
