@@ -27,7 +27,7 @@ if "sitecustomize" not in sys.modules:  # this process started before PYTHONPATH
     _spec.loader.exec_module(_module)
 
 import pytest  # noqa: E402
-from shared_fixtures import dev_trace, dev_trace_path, small_trace  # noqa: E402,F401
+from shared_fixtures import dev_trace, dev_trace_path, small_trace, solve_cache  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +39,19 @@ def triton_interpreter():
         yield
 
 
-#: Files that start vLLM engines or solve the full trace, longest first: the order they are handed
-#: out in. Under ``scripts/test.sh`` (``pytest -n 3 --dist loadfile``) each process starts with
-#: one whole file and takes the next file in collection order when it is within two tests of the
-#: end of its own (pytest-xdist's rule), the short files filling in after these; a file keeps its
-#: own test order.
+#: Files that start vLLM engines or solve the full trace, then the other files that take more than
+#: about ten seconds, longest first: the order they are handed out in. Under ``scripts/test.sh``
+#: (``pytest -n 3 --dist loadfile``) each process starts with one whole file and takes the next
+#: file in collection order when it is within two tests of the end of its own (pytest-xdist's
+#: rule), the short files filling in after these, so that the run ends on short files rather
+#: than with one process alone on a long one; a file keeps its own test order.
 LONGEST_FIRST = ("test_cpu_parallel.py", "test_compiled.py", "test_architectures.py", "test_dp_routing.py",
                  "test_durable_capture.py", "test_multinode.py", "test_acceptance.py", "test_capture_honesty.py",
                  "test_serve.py", "test_plugin.py", "test_engine_state.py", "test_tiny_moe_asset.py",
-                 "test_profile_cli.py")
+                 "test_profile_cli.py", "test_evaluate.py", "test_placement.py", "test_vllm_compat.py",
+                 "test_bench_ep.py", "test_cli.py", "test_report.py", "test_errors.py", "test_scale.py",
+                 "test_collective_meter.py", "test_interop.py", "test_cost_model.py", "test_tables.py",
+                 "test_time_objective.py")
 
 
 def pytest_configure(config):
