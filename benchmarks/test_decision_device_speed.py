@@ -14,15 +14,11 @@ import torch
 from vllm_semmoe.core import scheduling
 from vllm_semmoe.kernels import scheduling_torch
 from vllm_semmoe.core.schedulers import TpScheduler
-from vllm_semmoe.core.policy import get_policy
-from vllm_semmoe.core.tables import build_tables
 
 
 @pytest.fixture(scope="module")
-def batch(dev_trace):
-    profile, trace = dev_trace.split(0.2, seed=0)
-    placement = get_policy("semmoe").solve(profile, 8, mode="tp")
-    tables = build_tables(profile, placement, mode="tp")
+def batch(tp_seed0):
+    _, trace, placement, tables = tp_seed0
     layer = 10
     rows = tables.token_rows(trace.tokens)[:512]
     experts = trace.experts[:512].astype(np.int64)

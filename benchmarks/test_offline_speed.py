@@ -12,21 +12,12 @@ import pytest
 from vllm_semmoe.core import scheduling
 from vllm_semmoe.core.schedulers import DEFAULT_DP_BALANCE, TpScheduler
 from vllm_semmoe.core.policy import get_policy
-from vllm_semmoe.core.tables import build_tables
 
 
-@pytest.fixture(scope="module")
-def setup(dev_trace):
-    profile, trace = dev_trace.split(0.2, seed=0)
-    placement = get_policy("semmoe").solve(profile, 8, mode="tp")
-    tables = build_tables(profile, placement, mode="tp")
-    return profile, trace, placement, tables
-
-
-def test_tp_schedule_throughput(benchmark, setup):
+def test_tp_schedule_throughput(benchmark, tp_seed0):
     """One MoE layer's TP decision (the engine's rule: scores from T2D and the two previous
     layers' experts, align, permutation) for 512-token batches."""
-    _, trace, placement, tables = setup
+    _, trace, placement, tables = tp_seed0
     rows = tables.token_rows(trace.tokens)
     layer = 10
     experts = trace.experts.astype(np.int64)
@@ -48,9 +39,9 @@ def test_tp_schedule_throughput(benchmark, setup):
     benchmark.extra_info["tokens_per_s"] = len(rows) / benchmark.stats.stats.mean
 
 
-def test_dp_assign_throughput(benchmark, setup):
+def test_dp_assign_throughput(benchmark, tp_seed0):
     """Votes over all layers plus the balanced rank choice, for every held-out request."""
-    _, trace, _, tables = setup
+    _, trace, _, tables = tp_seed0
     rows = tables.token_rows(trace.tokens)
     t2d = tables.t2d_score.astype(np.float32)
     lengths = np.diff(trace.offsets).astype(float)

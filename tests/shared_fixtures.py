@@ -14,6 +14,8 @@ from vllm_semmoe.core.capture_store import load_trace
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("SEMMOE_DATA_DIR", REPO.parent / "shared" / "data"))
 DEV_TRACE = DATA_DIR / "routing" / "dsv2lite_puffin-dev.npz"
+#: where solves on the real trace are kept between runs (:func:`solve_cache`)
+CACHE_DIR = Path(os.environ.get("SEMMOE_CACHE_DIR", Path.home() / ".cache" / "vllm-semmoe"))
 
 
 def metrics_text(base: str) -> str:
@@ -102,3 +104,30 @@ def serving_by_hand(expert_device, holds, experts, token_device):
                 out[t, l, k] = shared[0] if shared else h[(t * K + k) % len(h)]
                 goes_to.add(int(out[t, l, k]))
     return out
+
+
+@pytest.fixture(scope="session")
+def solve_cache():
+    """Placements solved on the real trace, kept under ``$SEMMOE_CACHE_DIR`` (default
+    ``~/.cache/vllm-semmoe``)/solves, keyed by the profile, the solve's parameters and a hash of
+    the solver sources (:func:`vllm_semmoe.evaluation.evaluate.placement_cache`): an edited solver
+    solves again."""
+    from vllm_semmoe.evaluation.evaluate import placement_cache
+
+    return placement_cache(str(CACHE_DIR / "solves"))
+
+
+@pytest.fixture(scope="session")
+def tp_seed0(dev_trace, solve_cache):
+    """``(profile, held_out, placement, tables)``: the real trace's seed-0 split as the acceptance
+    figures split it (20 % profiled, the tuning split in neither part), Sem-MoE's TP placement for
+    EP 8 solved on the profile (through :func:`solve_cache`: the acceptance figures' entry) and
+    its TP tables."""
+    from vllm_semmoe.core.policy import get_policy
+    from vllm_semmoe.core.tables import build_tables
+    from vllm_semmoe.evaluation.evaluate import solve_key
+
+    profile, held_out = dev_trace.split(0.2, seed=0, hold_out_tuning=True)
+    placement = solve_cache(solve_key("semmoe", profile, 8, "tp"),
+                            lambda: get_policy("semmoe").solve(profile, 8, mode="tp"))
+    return profile, held_out, placement, build_tables(profile, placement, mode="tp")

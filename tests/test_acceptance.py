@@ -10,52 +10,81 @@ on: ``vllm_semmoe.core.trace.TUNING_FRAC``) is in no split; of the other request
 
 Solves are cached under ``$SEMMOE_CACHE_DIR`` (default ``~/.cache/vllm-semmoe``)/solves, keyed
 by the profile, the solve's parameters and a hash of the solver sources, so only the
-evaluation runs again when the solver is unchanged. Runtime on the 2-core VM with nothing else
-running (the evaluation decides layers on both cores): 131 s with a warm cache, 319 s cold (25
-Sem-MoE solves, MoETuner on seed 0; with the 5 solves without a load term and
-``tests/test_placement.py``, 397 s cold).
+evaluation runs again when the solver is unchanged. The multi-seed figures of :func:`tp` and
+:func:`dp` are kept beside them (:func:`stored`), keyed by the trace, this file and every source
+of the package's algorithms, evaluation and kernels: they are computed again after any edit of
+the code that computes them. Runtime on the 2-core VM with nothing else running (the evaluation
+decides layers on both cores): 131 s with warm solves, 319 s cold (25 Sem-MoE solves, MoETuner on
+seed 0; with the 5 solves without a load term and ``tests/test_placement.py``, 397 s cold).
 
 The bars these figures do not reach on every held-out seed are the ``xfail(strict=True)`` tests at
 the end: each documents its gap and fails loudly once the bar is met (then make it a plain test).
 """
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
-from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, compare_seeds, placement_cache
+import vllm_semmoe
+from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, compare_seeds
 from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
+from shared_fixtures import CACHE_DIR
 
 SEEDS = [0, 1, 2, 3, 4]
-CACHE_DIR = os.environ.get("SEMMOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vllm-semmoe"))
+
+
+def stored(name: str, trace, compute):
+    """``compute()`` (JSON: keys become strings), read back from ``CACHE_DIR/acceptance`` where an
+    identical computation stored it: the key hashes ``name``, ``trace``'s fingerprint, this file,
+    numpy's and numba's versions and every source file of the package's algorithms (``core``),
+    evaluation and kernels, so an edit of any of them computes it again."""
+    package = Path(vllm_semmoe.__file__).parent
+    digest = hashlib.sha256(f"{name} {trace.fingerprint()} {np.__version__} {numba.__version__}".encode())
+    for path in [Path(__file__)] + sorted(p for part in ("core", "evaluation", "kernels")
+                                          for p in (package / part).rglob("*.py")):
+        digest.update(os.path.relpath(path, package.parent).encode() + b"\0" + path.read_bytes())
+    path = CACHE_DIR / "acceptance" / f"{name}-{digest.hexdigest()[:16]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = json.loads(json.dumps(compute()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    return result
 
 
 @pytest.fixture(scope="module")
-def cache():
-    return placement_cache(os.path.join(CACHE_DIR, "solves"))
-
-
-@pytest.fixture(scope="module")
-def tp(dev_trace, cache):
+def tp(dev_trace, solve_cache):
     """``{R: {method: {key: {"mean", "sd", "per_seed"}}}}`` in TP mode, R = 0, 1, 2."""
-    out = {0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="tp"),
-                            solve_cache=cache)}
-    for R in (1, 2):
-        out[R] = compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="tp"), redundant=R,
-                               solve_cache=cache)
-    return out
+    def compute():
+        out = {0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="tp"),
+                                solve_cache=solve_cache)}
+        for R in (1, 2):
+            out[R] = compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="tp"), redundant=R,
+                                   solve_cache=solve_cache)
+        return out
+
+    return {int(R): rows for R, rows in stored("tp", dev_trace, compute).items()}
 
 
 @pytest.fixture(scope="module")
-def dp(dev_trace, cache):
+def dp(dev_trace, solve_cache):
     """``{R: {method: {key: {"mean", "sd", "per_seed"}}}}`` in DP mode, R = 0, 1."""
-    return {
-        0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="dp"),
-                         solve_cache=cache),
-        1: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="dp"), redundant=1,
-                         solve_cache=cache),
-    }
+    def compute():
+        return {
+            0: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["vanilla", "eplb", "semmoe"], EvalConfig(mode="dp"),
+                             solve_cache=solve_cache),
+            1: compare_seeds(dev_trace, 0.2, SEEDS, 8, ["semmoe"], EvalConfig(mode="dp"), redundant=1,
+                             solve_cache=solve_cache),
+        }
+
+    return {int(R): rows for R, rows in stored("dp", dev_trace, compute).items()}
 
 
 def seeds(figure) -> np.ndarray:
@@ -73,12 +102,13 @@ def test_tp_lar_with_expert_load_at_or_below_vanilla(tp):
     assert np.all(seeds(ours["lar"]) > seeds(eplb["lar_with_semmoe_sched"]) + 0.1)
 
 
-def test_tp_expert_load_term_costs_at_most_one_point(dev_trace, cache, tp):
+def test_tp_expert_load_term_costs_at_most_one_point(dev_trace, solve_cache, tp):
     """The price of balance: the default expert-load term (the Lagrangian θ) against the
     same solver with none, TP LAR on the same splits, at most one point on the seeds' mean
     (``scripts/expert_load_cost.py`` prints the same figures)."""
     free = {"semmoe-noload": SemMoEPolicy(load_slack=np.inf, load_price=0.0)}
-    rows = compare_seeds(dev_trace, 0.2, SEEDS, 8, list(free), EvalConfig(mode="tp"), solve_cache=cache, policies=free)
+    rows = stored("tp-noload", dev_trace, lambda: compare_seeds(
+        dev_trace, 0.2, SEEDS, 8, list(free), EvalConfig(mode="tp"), solve_cache=solve_cache, policies=free))
     cost = 100 * (seeds(rows["semmoe-noload"]["lar"]) - seeds(tp[0]["semmoe"]["lar"]))  # LAR points, per seed
     assert cost.mean() <= 1.0  # seeds 0-4: [0.81, 1.04, 0.77, 0.63, 1.07], mean 0.86
     assert np.all(cost <= 1.3) and np.all(cost > 0)
@@ -120,21 +150,21 @@ def test_dp_bar_with_one_replica_every_seed(dp):
     assert np.all(_balance_ratio(ours) <= 1.05)  # seeds 0-4: 0.992-1.043, mean 1.018
 
 
-def test_placement_baselines_on_seed_0(dev_trace, cache):
+def test_placement_baselines_on_seed_0(dev_trace, solve_cache):
     """MoETuner (a slow MIP solve) against Sem-MoE on the seed-0 split, both modes."""
     profile, trace = dev_trace.split(0.2, seed=0, hold_out_tuning=True)
     for mode in ("tp", "dp"):
-        rows = compare_methods(profile, trace, 8, ["moetuner", "semmoe"], EvalConfig(mode=mode), solve_cache=cache)
+        rows = compare_methods(profile, trace, 8, ["moetuner", "semmoe"], EvalConfig(mode=mode), solve_cache=solve_cache)
         assert rows["semmoe"]["lar"] > rows["moetuner"]["lar"]
         assert rows["semmoe"]["lar"] > rows["moetuner"]["lar_with_semmoe_sched"]
 
 
-def test_tp_scheduler_conditions_on_earlier_experts(dev_trace, cache):
+def test_tp_scheduler_conditions_on_earlier_experts(dev_trace, solve_cache):
     """The X-table rule (T2D and the two previous layers' experts) against the paper's A table
     (two previous layers' majority devices), same placement and tables, seed 0."""
     profile, trace = dev_trace.split(0.2, seed=0, hold_out_tuning=True)
     rows = {history: compare_methods(profile, trace, 8, ["semmoe"], EvalConfig(mode="tp", tp_history=history),
-                                     solve_cache=cache)["semmoe"]["lar"] for history in ("experts", "devices")}
+                                     solve_cache=solve_cache)["semmoe"]["lar"] for history in ("experts", "devices")}
     assert rows["experts"] > rows["devices"] + 0.02  # 0.3993 vs 0.3739
 
 

@@ -192,8 +192,7 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
         if solve_cache is None:
             placement = solve()
         else:
-            key = f"{name}-{profile.fingerprint()}-ep{ep_size}-{config.mode}-s{seed}-r{R}"
-            placement = solve_cache(key, solve)
+            placement = solve_cache(solve_key(name, profile, ep_size, config.mode, seed, R), solve)
         solve_s = time.perf_counter() - start
         tables = build_tables(profile, placement, mode=config.mode, embedding=embedding)
         scheduled = evaluate(trace, placement, tables, config)
@@ -207,6 +206,11 @@ def compare_methods(profile: RoutingTrace, trace: RoutingTrace, ep_size: int, me
     for row in rows.values():
         row["a2a_ratio"] = (1.0 - row["lar"]) / (1.0 - vanilla["lar"])
     return rows
+
+
+def solve_key(name: str, profile: RoutingTrace, ep_size: int, mode: str, seed: int = 0, redundant: int = 0) -> str:
+    """The ``solve_cache`` key of method ``name``'s solve on ``profile`` (see :func:`compare_methods`)."""
+    return f"{name}-{profile.fingerprint()}-ep{ep_size}-{mode}-s{seed}-r{redundant}"
 
 
 def _with_decode_weight(config: EvalConfig, profile: RoutingTrace) -> EvalConfig:
