@@ -14,8 +14,9 @@ evaluation runs again when the solver is unchanged. The multi-seed figures of :f
 :func:`dp` are kept beside them (:func:`stored`), keyed by the trace, this file and every source
 of the package's algorithms, evaluation and kernels: they are computed again after any edit of
 the code that computes them. Runtime on the 2-core VM with nothing else running (the evaluation
-decides layers on both cores): 131 s with warm solves, 319 s cold (25 Sem-MoE solves, MoETuner on
-seed 0; with the 5 solves without a load term and ``tests/test_placement.py``, 397 s cold).
+decides layers on both cores): about 10 s with both kept, 80 s with the solves kept, 319 s cold
+(25 Sem-MoE solves, MoETuner on seed 0; with the 5 solves without a load term and
+``tests/test_placement.py``, 397 s cold).
 
 The bars these figures do not reach on every held-out seed are the ``xfail(strict=True)`` tests at
 the end: each documents its gap and fails loudly once the bar is met (then make it a plain test).
