@@ -14,7 +14,7 @@ from vllm_semmoe.core.capture_store import load_trace
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("SEMMOE_DATA_DIR", REPO.parent / "shared" / "data"))
 DEV_TRACE = DATA_DIR / "routing" / "dsv2lite_puffin-dev.npz"
-#: where solves on the real trace are kept between runs (:func:`solve_cache`)
+#: where solves and acceptance figures on the real trace are kept between runs (:func:`solve_cache`)
 CACHE_DIR = Path(os.environ.get("SEMMOE_CACHE_DIR", Path.home() / ".cache" / "vllm-semmoe"))
 
 

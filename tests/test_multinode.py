@@ -14,8 +14,9 @@ rank dispatches the other combines back); the capture parts of the two nodes, br
 merge into one trace holding every request. Then node 1 dies (its whole process tree, as a
 node is lost) and the deployment ends as vLLM ends it: the API server exits, nothing of either
 node is left running, and node 0's capture part stays readable. Two more deployments end by
-SIGTERM, one to each node, under load: the same end, and the merged capture holds every request
-that completed.
+SIGTERM, one to each node, under load (after node 0, node 1 is stopped too: vLLM's headless node
+watches only its own engines, and idle ones wait for a front-end that is gone): the same end, and
+the merged capture holds every request that completed.
 """
 
 from __future__ import annotations
@@ -280,14 +281,19 @@ def test_two_node_dp_ep_serves_counts_captures_and_ends_with_a_lost_node(deploym
     assert load_trace(nodes[0]["capture"]).num_requests == served[0]
 
 
-def _ended(nodes: dict, started: float) -> int:
+def _ended(nodes: dict, started: float, then_stop: tuple = ()) -> int:
     """Node 0's exit status once the deployment has ended: its API server gone within
-    :data:`EXIT_AFTER_LOSS_S` of ``started``, and no process of either node left."""
+    :data:`EXIT_AFTER_LOSS_S` of ``started``, and no process of either node left. The nodes in
+    ``then_stop`` get SIGTERM once node 0 has exited, as an orchestrator stops every node of a
+    deployment."""
     node0 = nodes[0]["proc"]
     try:
         code = node0.wait(timeout=max(EXIT_AFTER_LOSS_S - (time.monotonic() - started), 1))
     except subprocess.TimeoutExpired:
         pytest.fail(f"node 0 still running {EXIT_AFTER_LOSS_S} s after the signal\n{_tail(nodes[0]['log'], 40)}")
+    for rank in then_stop:
+        if nodes[rank]["proc"].poll() is None:
+            nodes[rank]["proc"].send_signal(signal.SIGTERM)
     # the other node notices on vLLM's own time (about a minute on a loaded machine): every
     # process of the deployment gone within the same bound from the signal
     deadline = max(started + EXIT_AFTER_LOSS_S, time.monotonic() + 5)
@@ -307,9 +313,9 @@ def _ended(nodes: dict, started: float) -> int:
 @pytest.mark.parametrize("signalled", [0, 1], ids=["api-server-node", "headless-node"])
 def test_sigterm_to_either_node_ends_the_deployment_with_every_completed_request_captured(signalled, tmp_path):
     """SIGTERM (``kill``, as an orchestrator stops a node) to node 0 or to node 1 while requests
-    are in flight on both ranks: the deployment ends as vLLM ends it (the API server exits, no
-    process of either node is left), and the two nodes' capture parts, brought together, hold every
-    request a client saw complete."""
+    are in flight on both ranks: the deployment ends (the API server exits, no process of either
+    node is left; after node 0, node 1 is stopped too, see :func:`_ended`), and the two nodes'
+    capture parts, brought together, hold every request a client saw complete."""
     from vllm_semmoe.core.capture_store import load_trace, parts_dir, segment_path
 
     with _deployed(tmp_path) as deployed:
@@ -334,7 +340,9 @@ def test_sigterm_to_either_node_ends_the_deployment_with_every_completed_request
             started = time.monotonic()
             nodes[signalled]["proc"].send_signal(signal.SIGTERM)
             answers = [future.result() for future in futures]
-        code = _ended(nodes, started)
+        # vLLM's headless node watches only its own engines: one whose engines were idle when the
+        # API server node stopped waits for requests from it, so it is stopped too
+        code = _ended(nodes, started, then_stop=(1,) if signalled == 0 else ())
         print(f"SIGTERM to node {signalled}: node 0 exited with {code} after {time.monotonic() - started:.0f} s; "
               f"{sum(status == 200 for status, _ in answers)} of {len(jobs)} requests answered")
         # completed: every token asked for (an answer cut short by the shutdown is HTTP 200 too,
