@@ -14,8 +14,6 @@ from vllm_semmoe.core.capture_store import load_trace
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("SEMMOE_DATA_DIR", REPO.parent / "shared" / "data"))
 DEV_TRACE = DATA_DIR / "routing" / "dsv2lite_puffin-dev.npz"
-#: where solves and acceptance figures on the real trace are kept between runs (:func:`solve_cache`)
-CACHE_DIR = Path(os.environ.get("SEMMOE_CACHE_DIR", Path.home() / ".cache" / "vllm-semmoe"))
 
 
 def metrics_text(base: str) -> str:
@@ -113,8 +111,9 @@ def solve_cache():
     the solver sources (:func:`vllm_semmoe.evaluation.evaluate.placement_cache`): an edited solver
     solves again."""
     from vllm_semmoe.evaluation.evaluate import placement_cache
+    from vllm_semmoe.testing.checkpoints import cache_dir
 
-    return placement_cache(str(CACHE_DIR / "solves"))
+    return placement_cache(str(cache_dir() / "solves"))
 
 
 @pytest.fixture(scope="session")

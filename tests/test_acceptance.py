@@ -34,14 +34,15 @@ import pytest
 import vllm_semmoe
 from vllm_semmoe.evaluation.evaluate import EvalConfig, compare_methods, compare_seeds
 from vllm_semmoe.core.policy.semmoe import SemMoEPolicy
-from shared_fixtures import CACHE_DIR
+from vllm_semmoe.testing.checkpoints import cache_dir
 
 SEEDS = [0, 1, 2, 3, 4]
 
 
 def stored(name: str, trace, compute):
-    """``compute()`` (JSON: keys become strings), read back from ``CACHE_DIR/acceptance`` where an
-    identical computation stored it: the key hashes ``name``, ``trace``'s fingerprint, this file,
+    """``compute()`` (JSON: keys become strings), read back from ``cache_dir()/acceptance``
+    (:func:`vllm_semmoe.testing.checkpoints.cache_dir`) where an identical computation stored
+    it: the key hashes ``name``, ``trace``'s fingerprint, this file,
     numpy's and numba's versions and every source file of the package's algorithms (``core``),
     evaluation and kernels, so an edit of any of them computes it again."""
     package = Path(vllm_semmoe.__file__).parent
@@ -49,7 +50,7 @@ def stored(name: str, trace, compute):
     for path in [Path(__file__)] + sorted(p for part in ("core", "evaluation", "kernels")
                                           for p in (package / part).rglob("*.py")):
         digest.update(os.path.relpath(path, package.parent).encode() + b"\0" + path.read_bytes())
-    path = CACHE_DIR / "acceptance" / f"{name}-{digest.hexdigest()[:16]}.json"
+    path = cache_dir() / "acceptance" / f"{name}-{digest.hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())
     result = json.loads(json.dumps(compute()))
