@@ -291,7 +291,9 @@ def test_semmoe_vs_baselines_flags_every_slower_cell(synthetic_grid):
 
 
 def test_grid_steps_are_the_steps_bench_ep_replays(small_trace):
-    """The grid schedules each placement as ``bench-ep`` does: the same per-step rows."""
+    """The grid schedules each placement as ``bench-ep`` does: the same per-step rows in TP; in
+    DP the same while every rank's queue is full, after which the grid keeps every rank full
+    (steady state) where ``bench-ep`` drains the stream."""
     from vllm_semmoe.tools.bench_ep import analytic_counts, plan_bench_ep
     from vllm_semmoe.core.trace import first_layers
     from vllm_semmoe.evaluation.step_time import schedule
@@ -304,7 +306,38 @@ def test_grid_steps_are_the_steps_bench_ep_replays(small_trace):
         placement = plan.placements["semmoe"]
         idx, offsets, device, source = schedule(rest, placement, build_tables(profile, placement, mode=mode), mode, 64)
         t = step_traffic(placement.serving_device(source.experts[idx], device), device, offsets, 4)
-        assert np.array_equal(t.rank_rows, analytic_counts(plan, "semmoe")["step_rows"])
+        replayed = analytic_counts(plan, "semmoe")["step_rows"]
+        if mode == "tp":
+            assert np.array_equal(t.rank_rows, replayed)
+            continue
+        full = np.diff(plan.step_rows["semmoe"][1]) == 64
+        first = int(np.argmin(full))
+        assert 0 < first < len(full) and len(offsets) - 1 == -(-rest.num_tokens // 64)
+        assert (np.diff(offsets) == 64).all()
+        assert np.array_equal(t.rank_rows[:first], replayed[:first])
+        assert not np.array_equal(t.rank_rows[first:], replayed[first:len(offsets) - 1])
+
+
+def test_steady_dp_steps_keep_every_rank_full():
+    """``dp_steps(steady=True)``: the fewest steps that hold the stream with every rank full,
+    whatever the rank choice; each rank cycles through its own queue in arrival order."""
+    from vllm_semmoe.core.schedulers import dp_steps
+    from vllm_semmoe.core.synthetic import synthetic_trace
+
+    trace = synthetic_trace(num_requests=40, num_layers=2, num_experts=8, top_k=2, seed=3)
+    lengths = np.diff(trace.offsets)
+    ranks, cap = 4, 8
+    for rank in (np.arange(40) % 4, np.where(np.arange(40) < 30, 0, 1 + np.arange(40) % 3)):
+        (rows, offsets), dev = dp_steps(trace, rank, ranks, 32, None, steady=True)
+        assert len(offsets) - 1 == -(-trace.num_tokens // 32) and (np.diff(offsets) == 32).all()
+        token_rank = np.repeat(rank, lengths)
+        for r in range(ranks):
+            queue = np.nonzero(token_rank == r)[0]
+            mine = rows[dev[:, 0] == r]
+            assert (token_rank[mine] == r).all() and len(mine) == cap * (len(offsets) - 1)
+            assert np.array_equal(mine, queue[np.arange(len(mine)) % len(queue)])
+        (drained, d_off), _ = dp_steps(trace, rank, ranks, 32, None)
+        assert np.array_equal(np.sort(drained), np.arange(trace.num_tokens))
 
 
 def test_semmoe_cost_grid_command_writes_flat_rows(dev_trace_path, tmp_path, capsys):

@@ -401,8 +401,8 @@ class DpScheduler:
 
 
 def dp_ranks(trace: RoutingTrace, tables: SemMoETables | None, ep_size: int, config: EvalConfig):
-    """``([R] rank per request, mean per-window max/mean token load)``: :class:`DpScheduler` on
-    the trace's arrivals (without tables: round-robin)."""
+    """``([R] rank per request, largest over mean token load of the ranks over the whole
+    trace)``: :class:`DpScheduler` on the trace's arrivals (without tables: round-robin)."""
     lengths = np.diff(trace.offsets).astype(np.float64)
     if tables is None:
         rank = scheduling.round_robin_assign(trace.num_requests, ep_size)
@@ -444,21 +444,33 @@ def tp_steps(trace: RoutingTrace, batch_tokens: int, max_batches: int | None, sa
 
 
 def dp_steps(trace: RoutingTrace, rank: np.ndarray, ranks: int, batch_tokens: int, max_batches: int | None,
-             sample: str = "head"):
+             sample: str = "head", steady: bool = False):
     """Lock-stepped DP batches of ``trace`` with ``rank`` ``[R]`` the DP rank of each request:
     each rank takes ``ceil(batch_tokens/ranks)`` tokens of its queue per step, for the steps
     :func:`sample_steps` keeps. Returns ``((rows [N] int64, offsets [S+1] int64), device [N, L]
-    int16)``: the trace rows of every kept step, rank by rank, and the rank of each row."""
+    int16)``: the trace rows of every kept step, rank by rank, and the rank of each row.
+
+    ``steady=False``: the stream drains: every token once, until the longest queue is empty
+    (the last steps have idle ranks). ``steady=True``: a deployment under load, every rank full
+    at every step: ``ceil(tokens / (cap × ranks))`` steps, the fewest that hold the stream with
+    every rank full (the same for every rank choice); a rank whose queue runs out starts it again
+    from its first token, and a longer queue is cut there. Step times are comparable across rank
+    choices only this way: drained, a choice that leaves one queue longer runs more, emptier,
+    cheaper steps for the same tokens."""
     L = trace.num_layers
     cap = scheduling.slice_capacity(batch_tokens, ranks)
     token_rank = np.repeat(rank, np.diff(trace.offsets))
     queues = [np.nonzero(token_rank == r)[0] for r in range(ranks)]  # arrival order
-    steps = sample_steps(max(-(-len(q) // cap) for q in queues), max_batches, sample)
+    total = -(-trace.num_tokens // (cap * ranks)) if steady else max(-(-len(q) // cap) for q in queues)
+    steps = sample_steps(total, max_batches, sample)
     rows, dev, offsets = [], [], [0]
     for s in steps:
         for r, q in enumerate(queues):
-            part = q[s * cap:(s + 1) * cap]
+            if steady and len(q):
+                part = q[np.arange(s * cap, (s + 1) * cap) % len(q)]
+            else:
+                part = q[s * cap:(s + 1) * cap]
             rows.append(part)
             dev.append(np.full((len(part), L), r, np.int16))
-        offsets.append(offsets[-1] + sum(len(q[s * cap:(s + 1) * cap]) for q in queues))
+        offsets.append(offsets[-1] + sum(len(p) for p in rows[-ranks:]))
     return (np.concatenate(rows).astype(np.int64), np.asarray(offsets, np.int64)), np.concatenate(dev)

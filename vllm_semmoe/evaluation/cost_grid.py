@@ -1,10 +1,11 @@
 """The cost grid: every method, replica count, step size, model width and hardware set, modelled.
 
 ``semmoe cost --grid`` (:func:`run_grid`) solves each (mode, method, R) placement once on the
-profile split, schedules the rest of the trace with it at every step size exactly as
-``bench-ep`` replays it (TP: consecutive steps of ``B`` tokens, Sem-MoE's scheduler with its
-tables, the baselines on the reduce-scatter's contiguous slices; DP: requests on ranks by
-Sem-MoE's router or round-robin, ranks in lock step with ``ceil(B/E)`` tokens each per step),
+profile split, schedules the rest of the trace with it at every step size as a deployment
+under load runs it (:func:`vllm_semmoe.evaluation.step_time.schedule`; TP: consecutive steps of
+``B`` tokens as ``bench-ep`` replays them, Sem-MoE's scheduler with its tables, the baselines on
+the reduce-scatter's contiguous slices; DP: requests on ranks by Sem-MoE's router or
+round-robin, ranks in lock step with ``ceil(B/E)`` tokens each per step, every rank full),
 counts every step (:func:`vllm_semmoe.evaluation.cost_model.step_traffic`; EPLB's replicas serve their
 tokens as vLLM's EPLB picks them, :func:`vllm_semmoe.core.policy.eplb.vllm_serving_device`) and models it on every
 hardware set and width (:mod:`vllm_semmoe.evaluation.cost_model`). TP mode also gets ``stock_tp``: stock

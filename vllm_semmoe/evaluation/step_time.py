@@ -2,7 +2,7 @@
 
 The mechanism under :mod:`vllm_semmoe.evaluation.time_objective` (which placement to serve) and
 :mod:`vllm_semmoe.evaluation.cost_grid` (every method on every hardware set): the stream is cut into the
-steps ``bench-ep`` replays (:func:`schedule`), every step's per-rank traffic and expert work is
+steps a deployment under load runs (:func:`schedule`), every step's per-rank traffic and expert work is
 counted (:func:`stream_traffic`, :func:`vllm_semmoe.evaluation.cost_model.step_traffic`) and turned into
 microseconds on a hardware set and model width (:func:`step_time_us`).
 
@@ -56,17 +56,20 @@ def node_groups(hardware) -> tuple:
 def schedule(rest, placement, tables, mode: str, batch_tokens: int, config=None, max_batches=None,
              sample: str = "head"):
     """``(rows [P], offsets [S + 1], device [P, L], source trace)``: the evaluation tokens of
-    every step (indices into ``source``), and the rank of each per layer, as ``bench-ep``
-    schedules them (:func:`vllm_semmoe.tools.bench_ep.plan.plan_bench_ep`): TP, consecutive steps of
+    every step (indices into ``source``), and the rank of each per layer, as a deployment under
+    load runs them: TP, as ``bench-ep`` replays them
+    (:func:`vllm_semmoe.tools.bench_ep.plan.plan_bench_ep`), consecutive steps of
     ``batch_tokens`` tokens, Sem-MoE's scheduler with ``tables``, else the reduce-scatter's
     contiguous slices; DP, requests on ranks by Sem-MoE's router (with ``tables``) or
-    round-robin, ranks in lock step with ``ceil(batch_tokens / E)`` tokens each per step."""
+    round-robin, ranks in lock step with ``ceil(batch_tokens / E)`` tokens each per step, every
+    rank full at every step (``dp_steps(steady=True)``: the live router keeps every rank loaded
+    by weighing in-flight work; ``bench-ep`` replays the drained stream, every token once)."""
     mode = serving_mode(mode)
     config = replace(config or schedulers.EvalConfig(), mode=mode, batch_tokens=batch_tokens)
     E = placement.ep_size
     if mode == ServingMode.DP:
         rank, _ = schedulers.dp_ranks(rest, tables, E, config)
-        (rows, offsets), device = dp_steps(rest, rank, E, batch_tokens, max_batches, sample)
+        (rows, offsets), device = dp_steps(rest, rank, E, batch_tokens, max_batches, sample, steady=True)
         return rows, offsets, device.astype(np.int64), rest
     rows, offsets, sub = tp_steps(rest, batch_tokens, max_batches, sample)
     device, _ = schedulers.tp_devices(sub, tables, E, config)
