@@ -336,7 +336,7 @@ def test_steady_dp_steps_keep_every_rank_full():
             mine = rows[dev[:, 0] == r]
             assert (token_rank[mine] == r).all() and len(mine) == cap * (len(offsets) - 1)
             assert np.array_equal(mine, queue[np.arange(len(mine)) % len(queue)])
-        (drained, d_off), _ = dp_steps(trace, rank, ranks, 32, None)
+        (drained, _), _ = dp_steps(trace, rank, ranks, 32, None)
         assert np.array_equal(np.sort(drained), np.arange(trace.num_tokens))
 
 

@@ -187,10 +187,9 @@ def dp2_served(tmp_path_factory) -> SimpleNamespace:
     the router's; the counters on ``/metrics`` across API servers: ``test_multinode.py``), all in
     one work directory. ``runs``: by name
     (``semmoe_r1``: one replica slot per rank), ``cli``: the command's JSON, ``printed``: its report.
-    In float32: Sem-MoE's routing puts requests in other batches than stock vLLM's, and in
-    bfloat16 a different batch can flip a near-tied greedy token (3 of 40 texts once did, stock
-    vLLM and its sparse dispatch agreeing), which would hide what the identical-texts check
-    asks: that the plugin changes no output."""
+    In float32: Sem-MoE's routing puts requests in other batches than stock vLLM's, and vLLM is
+    not batch-invariant in bfloat16, where a different batch can flip a near-tied greedy token;
+    that would hide what the identical-texts check asks: that the plugin changes no output."""
     from vllm_semmoe.cli import main
     from vllm_semmoe.tools.profiling import profile
 

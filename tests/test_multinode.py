@@ -340,8 +340,6 @@ def test_sigterm_to_either_node_ends_the_deployment_with_every_completed_request
             started = time.monotonic()
             nodes[signalled]["proc"].send_signal(signal.SIGTERM)
             answers = [future.result() for future in futures]
-        # vLLM's headless node watches only its own engines: one whose engines were idle when the
-        # API server node stopped waits for requests from it, so it is stopped too
         code = _ended(nodes, started, then_stop=(1,) if signalled == 0 else ())
         print(f"SIGTERM to node {signalled}: node 0 exited with {code} after {time.monotonic() - started:.0f} s; "
               f"{sum(status == 200 for status, _ in answers)} of {len(jobs)} requests answered")
